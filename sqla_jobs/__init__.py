@@ -1,0 +1,35 @@
+"""sqla-jobs: a background job queue stored in your SQLAlchemy database.
+
+Jobs are rows in your own tables, enqueued in your own transactions and run
+by ``sqla-jobs worker``. See README.md and docs/ for the guide.
+"""
+
+from .backoff import Backoff
+from .context import JobContext, current_job
+from .errors import ConfigError, InvalidJob, JobCancel, JobSnooze, NotFound, SchemaError, SqlaJobsError
+from .models import MAX_PAYLOAD_BYTES, DeadJobMixin, JobMixin
+from .queue import JobEvent, JobQueue
+from .sql import MAX_ERROR_LENGTH
+from .worker import Worker
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MAX_ERROR_LENGTH",
+    "MAX_PAYLOAD_BYTES",
+    "Backoff",
+    "ConfigError",
+    "DeadJobMixin",
+    "InvalidJob",
+    "JobCancel",
+    "JobContext",
+    "JobEvent",
+    "JobMixin",
+    "JobQueue",
+    "JobSnooze",
+    "NotFound",
+    "SchemaError",
+    "SqlaJobsError",
+    "Worker",
+    "current_job",
+]

@@ -1,0 +1,59 @@
+"""Every error sqla-jobs raises, and the two a handler may raise to steer its job.
+
+The tree::
+
+    SqlaJobsError                 root: catch this to catch everything below
+    ├── InvalidJob (ValueError)   a Job was built or flushed with a bad field
+    ├── ConfigError               bad --url, --app, or option; says what to change
+    ├── SchemaError               the job tables are missing or out of date
+    └── NotFound (LookupError)    no job / dead job with that id
+
+    JobSnooze                     raised by a handler: run me again later, no attempt used
+    JobCancel                     raised by a handler: stop, do not retry, mark cancelled
+
+Like procrastinate, each class's docstring is its default message, so
+``raise SchemaError()`` already says something useful.
+"""
+
+from __future__ import annotations
+
+
+class SqlaJobsError(Exception):
+    """An error from sqla-jobs."""
+
+    def __init__(self, message: str | None = None) -> None:
+        super().__init__(message or (self.__doc__ or "").strip())
+
+
+class InvalidJob(SqlaJobsError, ValueError):
+    """A job has a field that cannot be stored; nothing was written."""
+
+
+class ConfigError(SqlaJobsError):
+    """sqla-jobs was given an option it cannot use."""
+
+
+class SchemaError(SqlaJobsError):
+    """The job tables are missing or out of date: run `sqla-jobs create-tables` or your alembic migrations."""
+
+
+class NotFound(SqlaJobsError, LookupError):
+    """No job with that id."""
+
+
+class JobSnooze(Exception):
+    """Raise from a handler to run the job again after ``seconds``; the attempt is not counted."""
+
+    def __init__(self, seconds: float) -> None:
+        if seconds < 0:
+            raise ValueError("JobSnooze seconds must be >= 0")
+        super().__init__(f"snoozed for {seconds:g}s")
+        self.seconds = float(seconds)
+
+
+class JobCancel(Exception):
+    """Raise from a handler to stop the job for good: it is marked cancelled, not retried or dead-lettered."""
+
+    def __init__(self, reason: str = "cancelled by handler") -> None:
+        super().__init__(reason)
+        self.reason = reason

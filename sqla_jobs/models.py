@@ -1,0 +1,307 @@
+"""The job tables, as mixins for your own declarative models.
+
+Add two classes to your application's metadata::
+
+    from sqlalchemy.orm import DeclarativeBase
+    from sqla_jobs import JobMixin, DeadJobMixin
+
+    class Base(DeclarativeBase): ...
+
+    class Job(JobMixin, Base):
+        __tablename__ = "jobs"
+
+    class DeadJob(DeadJobMixin, Base):
+        __tablename__ = "dead_jobs"
+
+``Base.metadata.create_all(engine)`` (or your alembic migrations) creates them.
+Enqueue a job by adding a row in the same transaction as your business rows::
+
+    with Session(engine) as session, session.begin():
+        session.add(Order(...))
+        session.add(Job(kind="send_email", payload={"to": "a@example.com"}))
+
+Committed means it will run; rolled back means it never existed.
+
+A job moves through explicit states (the ``state`` column):
+
+``pending``   waiting for ``run_at``; ``attempts`` says how many runs it has had
+``running``   claimed by a worker, whose lease ends at ``lease_expires_at``
+``finished``  done; ``finished_at - locked_at`` is how long the last run took
+``cancelled`` stopped by ``JobCancel`` or ``sqla-jobs jobs cancel``; never runs again
+
+A job that fails ``max_attempts`` times leaves this table for the dead-letter
+table (``DeadJobMixin``), from which a person can requeue it.
+
+Fields are checked when set and again at flush, so a bad job fails before your
+business transaction commits: ``kind`` must be a non-empty string,
+``payload`` a JSON object that PostgreSQL's ``jsonb`` accepts (no NaN or
+infinities, no ``\\u0000``, string keys only) of at most
+``MAX_PAYLOAD_BYTES`` once encoded, and ``max_attempts`` at least 1.
+
+If you need ``__table_args__`` of your own (a schema, extra indexes), build
+them with ``JobMixin.table_args(...)`` so the queue's own indexes stay::
+
+    class Job(JobMixin, Base):
+        __tablename__ = "jobs"
+        __table_args__ = JobMixin.table_args(Index("ix_jobs_kind", "kind"), schema="work")
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timezone
+from typing import Any, ClassVar
+
+from sqlalchemy import JSON, BigInteger, DateTime, Index, Integer, String, Text, event, text
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import Mapped, Mapper, Session, declared_attr, mapped_column, validates
+
+from .errors import InvalidJob
+from .sql import notify
+
+__all__ = ["MAX_PAYLOAD_BYTES", "STATES", "DeadJobMixin", "JobMixin"]
+
+#: Largest payload accepted, in bytes of its JSON encoding. Override per model
+#: with a ``max_payload_bytes`` class attribute. Big data belongs in your own
+#: tables; pass its key in the payload.
+MAX_PAYLOAD_BYTES = 1_048_576
+MAX_KIND_LENGTH = 255
+MAX_QUEUE_LENGTH = 64
+STATES = ("pending", "running", "finished", "cancelled")
+
+# BIGSERIAL on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the rowid alias.
+_ID = BigInteger().with_variant(Integer(), "sqlite")
+_PAYLOAD = JSON().with_variant(JSONB(), "postgresql")
+_NOW = text("CURRENT_TIMESTAMP")  # the database clock, on every backend
+
+
+def _tz() -> DateTime:
+    return DateTime(timezone=True)
+
+
+def check_payload(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> None:
+    """Raise InvalidJob unless ``payload`` survives a trip through jsonb unchanged."""
+    if not isinstance(payload, dict):
+        raise InvalidJob(f"Job.payload must be a dict (a JSON object), not {type(payload).__name__}")
+    try:
+        encoded = json.dumps(payload, allow_nan=False, separators=(",", ":"))
+    except ValueError as exc:  # NaN / inf, or a circular reference
+        raise InvalidJob(f"Job.payload is not valid JSON: {exc}; use null or a string instead") from None
+    except TypeError as exc:
+        raise InvalidJob(f"Job.payload is not JSON-serialisable: {exc}; pass ids and plain values") from None
+    if len(encoded) > limit:  # json.dumps escapes to ASCII, so characters == bytes
+        raise InvalidJob(
+            f"Job.payload is {len(encoded)} bytes of JSON, over the {limit}-byte limit; "
+            "store large data in your own table and pass its key"
+        )
+    _walk(payload, "payload")
+
+
+def _walk(value: Any, path: str) -> None:
+    # json.dumps would silently turn a NUL into "\u0000" (jsonb rejects it) and
+    # an int key into a string (the handler would get a different payload).
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise InvalidJob(f"Job.{path} contains \\u0000, which PostgreSQL jsonb rejects")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidJob(f"Job.{path} has the non-string key {key!r}; JSON keys are strings")
+            _walk(key, f"{path} key")
+            _walk(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _walk(item, f"{path}[{i}]")
+
+
+def _utc(name: str, value: datetime | None) -> datetime | None:
+    """Naive datetimes are taken as UTC; aware ones are converted to UTC."""
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise InvalidJob(f"Job.{name} must be a datetime, not {type(value).__name__}")
+    if value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc)
+
+
+def _text_field(name: str, value: Any, max_length: int) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidJob(f"Job.{name} must be a non-empty string, got {value!r}")
+    if len(value) > max_length:
+        raise InvalidJob(f"Job.{name} is {len(value)} characters, over the limit of {max_length}")
+    return value
+
+
+def _int_field(name: str, value: Any, minimum: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidJob(f"Job.{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidJob(f"Job.{name} must be at least {minimum}, got {value}")
+    return value
+
+
+class _Common:
+    """Columns both tables share, so a dead job carries everything needed to requeue it."""
+
+    max_payload_bytes: ClassVar[int] = MAX_PAYLOAD_BYTES
+
+    kind: Mapped[str] = mapped_column(String(MAX_KIND_LENGTH))
+    queue: Mapped[str] = mapped_column(String(MAX_QUEUE_LENGTH), default="default", server_default="default")
+    payload: Mapped[dict[str, Any]] = mapped_column(_PAYLOAD)
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    attempts: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    max_attempts: Mapped[int] = mapped_column(Integer, default=5, server_default="5")
+    created_at: Mapped[datetime] = mapped_column(_tz(), server_default=_NOW)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    #: Every failure so far: a list of {"attempt", "at", "error"} objects.
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(_PAYLOAD)
+
+    @validates("kind")
+    def _check_kind(self, key: str, value: Any) -> str:
+        return _text_field(key, value, MAX_KIND_LENGTH)
+
+    @validates("queue")
+    def _check_queue(self, key: str, value: Any) -> str:
+        return _text_field(key, value, MAX_QUEUE_LENGTH)
+
+    @validates("payload")
+    def _check_payload(self, key: str, value: Any) -> dict[str, Any]:
+        check_payload(value, self.max_payload_bytes)
+        return value  # type: ignore[no-any-return]
+
+    @validates("max_attempts")
+    def _check_max_attempts(self, key: str, value: Any) -> int:
+        return _int_field(key, value, 1)
+
+    @validates("priority", "attempts")
+    def _check_int(self, key: str, value: Any) -> int:
+        return _int_field(key, value, 0 if key == "attempts" else None)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} id={self.id!r} kind={self.kind!r}>"  # type: ignore[attr-defined]
+
+
+class JobMixin(_Common):
+    """Columns and indexes of the jobs table. The seed's nine columns keep their meaning."""
+
+    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
+    state: Mapped[str] = mapped_column(String(16), default="pending", server_default="pending")
+    run_at: Mapped[datetime] = mapped_column(_tz(), server_default=_NOW)
+    #: When the current (or last) run was claimed.
+    locked_at: Mapped[datetime | None] = mapped_column(_tz())
+    #: Which worker holds the claim, as host:pid:name, for people reading the table.
+    locked_by: Mapped[str | None] = mapped_column(String(255))
+    #: Changes on every claim; every write a worker makes is fenced by it.
+    claim_token: Mapped[str | None] = mapped_column(String(64))
+    #: The claim is void after this moment (database clock) unless heartbeats extend it.
+    lease_expires_at: Mapped[datetime | None] = mapped_column(_tz())
+    finished_at: Mapped[datetime | None] = mapped_column(_tz())
+    #: Set by a cancel request; a running job sees it when it ends.
+    cancelled_at: Mapped[datetime | None] = mapped_column(_tz())
+
+    @validates("run_at")
+    def _check_run_at(self, key: str, value: Any) -> datetime | None:
+        return _utc(key, value)
+
+    @declared_attr.directive
+    def __table_args__(self) -> Any:
+        return (*self.job_indexes(), {"sqlite_autoincrement": True})
+
+    @classmethod
+    def job_indexes(cls) -> list[Index]:
+        """The indexes the queue needs, named after this class's table."""
+        name = cls.__tablename__  # type: ignore[attr-defined]
+        return [
+            # The claim: due jobs of a queue, most urgent and oldest first.
+            Index(
+                f"ix_{name}_pending",
+                "queue",
+                text("priority DESC"),
+                "run_at",
+                "id",
+                postgresql_where=text("state = 'pending'"),
+                sqlite_where=text("state = 'pending'"),
+            ),
+            # The lease reaper: running jobs whose lease ran out.
+            Index(
+                f"ix_{name}_running",
+                "lease_expires_at",
+                postgresql_where=text("state = 'running'"),
+                sqlite_where=text("state = 'running'"),
+            ),
+            # Run-time figures and pruning of old finished jobs.
+            Index(
+                f"ix_{name}_finished",
+                "finished_at",
+                postgresql_where=text("finished_at IS NOT NULL"),
+                sqlite_where=text("finished_at IS NOT NULL"),
+            ),
+        ]
+
+    @classmethod
+    def table_args(cls, *extra: Any, **options: Any) -> Any:
+        """``__table_args__`` with the queue's indexes plus your own items and options."""
+
+        def build(target: type[JobMixin]) -> Any:
+            return (*target.job_indexes(), *extra, {"sqlite_autoincrement": True, **options})
+
+        return declared_attr.directive(build)
+
+
+class DeadJobMixin(_Common):
+    """Columns of the dead-letter table: jobs that used up their attempts.
+
+    ``id`` is the id the job had in the jobs table, so a requeued job keeps it.
+    There is deliberately no foreign key between the two tables.
+    """
+
+    id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=False)
+    run_at: Mapped[datetime | None] = mapped_column(_tz())
+    failed_at: Mapped[datetime] = mapped_column(_tz(), server_default=_NOW)
+
+    @declared_attr.directive
+    def __table_args__(self) -> Any:
+        return tuple(self.dead_indexes())
+
+    @classmethod
+    def dead_indexes(cls) -> list[Index]:
+        name = cls.__tablename__  # type: ignore[attr-defined]
+        return [Index(f"ix_{name}_kind", "kind", "failed_at")]
+
+    @classmethod
+    def table_args(cls, *extra: Any, **options: Any) -> Any:
+        """``__table_args__`` with the dead-letter indexes plus your own items and options."""
+
+        def build(target: type[DeadJobMixin]) -> Any:
+            return (*target.dead_indexes(), *extra, options)
+
+        return declared_attr.directive(build)
+
+
+@event.listens_for(JobMixin, "before_insert", propagate=True)
+@event.listens_for(DeadJobMixin, "before_insert", propagate=True)
+def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> None:
+    """Fields never set (so never validated) are checked here, before the INSERT."""
+    if target.kind is None:
+        raise InvalidJob("Job.kind is required: the name of the handler that runs the job")
+    if target.payload is None:
+        target.payload = {}
+    for queue in getattr(type(target), "__sqla_jobs_queues__", ()):
+        queue._check_kind_known(target.kind)
+
+
+@event.listens_for(Session, "after_flush")
+def _notify_workers(session: Session, flush_context: Any) -> None:
+    """On PostgreSQL, queue a NOTIFY for each jobs table this flush inserted into.
+
+    PostgreSQL delivers it when the transaction commits (and drops it on
+    rollback), so an idle worker wakes within milliseconds of the commit.
+    Workers also poll, so nothing depends on a notification arriving.
+    """
+    tables = {type(obj).__table__ for obj in session.new if isinstance(obj, JobMixin)}  # type: ignore[attr-defined]
+    if not tables:
+        return
+    conn = session.connection()
+    for table in tables:
+        notify(conn, table)

@@ -1,0 +1,483 @@
+"""The worker: claims due jobs, runs their handlers on threads, records the outcome.
+
+::
+
+    Worker(engine, queue, concurrency=8).run()          # until SIGTERM / SIGINT
+    Worker(engine, queue).run(burst=True)               # every due job, then return
+
+or ``sqla-jobs worker --url ... --app myapp.jobs:queue``.
+
+One control thread talks to the database; ``concurrency`` handler threads only
+run user code. The control loop, on each turn:
+
+1. applies finished runs in one fenced UPDATE, failures one by one
+   (retry with backoff, or dead-letter on the last attempt);
+2. fails runs that passed their kind's timeout;
+3. every ``heartbeat`` seconds extends the leases of running jobs and hands
+   jobs whose lease ran out (their worker died) back to the queue;
+4. claims up to as many jobs as there are free threads, in one statement;
+5. sleeps until a thread frees, a NOTIFY arrives (PostgreSQL) or
+   ``poll_interval`` passes.
+
+A database error on any step is logged and retried with backoff: outcomes
+not yet written stay in memory and are written after reconnecting. They are
+fenced by the claim token, so if the lease ran out meanwhile and another
+worker took the job, the stale result is discarded and logged, never applied.
+
+On SIGTERM or SIGINT the worker stops claiming, lets running handlers finish
+for up to ``grace`` seconds, gives the rest back to the queue (the attempt is
+refunded, the job runs again promptly) and returns 0. A second signal exits
+at once; the leases cover whatever was running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue as stdlib_queue
+import signal
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session
+
+from .context import JobContext, _current
+from .errors import ConfigError, JobCancel, JobSnooze
+from .queue import JobEvent, JobQueue
+from .sql import SQL, Claimed, Fence
+
+__all__ = ["Worker"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+
+class _ClaimLost(Exception):
+    """The job's row was no longer ours when its transactional handler tried to finish it."""
+
+
+@dataclass
+class _Run:
+    job: Claimed
+    ctx: JobContext
+    started: float
+    deadline: float | None
+    abandoned: bool = False  # timed out, lost or given back: the thread's result is discarded
+
+
+@dataclass
+class _Outcome:
+    job: Claimed
+    result: str  # ok | committed | error | snooze | cancel | lost
+    duration: float
+    error: str = ""
+    delay: float = 0.0
+    written: bool = field(default=False)
+
+
+class Worker:
+    """Runs jobs from ``queue`` using ``engine``. See the module docstring."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        queue: JobQueue[Any, Any],
+        *,
+        concurrency: int = 4,
+        queues: list[str] | None = None,
+        lease: float = 60.0,
+        heartbeat: float | None = None,
+        poll_interval: float = 1.0,
+        grace: float = 30.0,
+        batch_size: int = 100,
+        listen: bool = True,
+        name: str | None = None,
+    ) -> None:
+        if concurrency < 1:
+            raise ConfigError("concurrency must be at least 1")
+        if lease <= 0 or poll_interval <= 0 or grace < 0 or batch_size < 1:
+            raise ConfigError("lease and poll_interval must be > 0, grace >= 0, batch_size >= 1")
+        self.heartbeat = heartbeat if heartbeat is not None else lease / 3
+        if not 0 < self.heartbeat <= lease / 3:
+            raise ConfigError(f"heartbeat ({self.heartbeat}s) must be > 0 and at most lease / 3 ({lease / 3:g}s)")
+        self.engine = engine
+        self.queue = queue
+        self.sql: SQL = queue.sql(engine)
+        self.concurrency = concurrency
+        self.queues = queues or None
+        self.lease = lease
+        self.poll_interval = poll_interval
+        self.grace = grace
+        self.batch_size = batch_size
+        self.listen = listen and self.sql.postgres and engine.dialect.driver == "psycopg"
+        self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+
+        self._wake = threading.Event()
+        self._todo: stdlib_queue.SimpleQueue[Claimed | None] = stdlib_queue.SimpleQueue()
+        self._done: stdlib_queue.SimpleQueue[tuple[_Run, _Outcome]] = stdlib_queue.SimpleQueue()
+        self._running: dict[Fence, _Run] = {}
+        self._unwritten: list[_Outcome] = []
+        self._stopping = False
+        self._closed = threading.Event()
+        self._signals = 0
+        self.processed = 0  # outcomes written, for tests and the bench
+
+    # -- public ------------------------------------------------------------------
+
+    def stop(self) -> None:
+        """Ask the worker to shut down gracefully (thread-safe)."""
+        self._stopping = True
+        self._wake.set()
+
+    def run(self, *, burst: bool = False, install_signals: bool = True) -> int:
+        """Process jobs until stopped (or, with ``burst``, until no job is due). Returns 0."""
+        self.queue.check_schema(self.engine)
+        self.sql.prepare(self.engine)
+        threads = [threading.Thread(target=self._thread_main, daemon=True) for _ in range(self.concurrency)]
+        for thread in threads:
+            thread.start()
+        if self.listen:
+            threading.Thread(target=self._listen_main, daemon=True, name="sqla-jobs-listen").start()
+        previous = self._install_signals() if install_signals else {}
+        log.info("worker %s started: concurrency %d, lease %gs", self.name, self.concurrency, self.lease)
+        try:
+            self._loop(burst)
+        finally:
+            self._closed.set()
+            for _ in threads:
+                self._todo.put(None)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        log.info("worker %s stopped after %d jobs", self.name, self.processed)
+        return 0
+
+    # -- the control loop -----------------------------------------------------------
+
+    def _loop(self, burst: bool) -> None:
+        next_heartbeat = 0.0  # reap once at start: a crashed predecessor may have left jobs
+        grace_ends: float | None = None
+        db_retry_at = 0.0
+        db_failures = 0
+        while True:
+            self._wake.clear()  # before looking, so a wake-up during this turn is not lost
+            self._collect()
+            now = time.monotonic()
+            self._check_timeouts(now)
+            if self._stopping and grace_ends is None:
+                grace_ends = now + self.grace
+                log.info("worker %s stopping: waiting up to %gs for %d running job(s)",
+                         self.name, self.grace, len(self._live()))
+            if now >= db_retry_at:
+                try:
+                    self._write_outcomes()
+                    if now >= next_heartbeat:
+                        self._heartbeat_and_reap()
+                        next_heartbeat = now + self.heartbeat
+                    claimed = 0
+                    if not self._stopping:
+                        claimed = self._claim()
+                    if db_failures:
+                        log.warning("worker %s: database is back", self.name)
+                    db_failures = 0
+                except (OperationalError, DBAPIError) as exc:
+                    db_failures += 1
+                    pause = min(30.0, 0.25 * 2 ** min(db_failures, 7))
+                    db_retry_at = time.monotonic() + pause
+                    log.warning("worker %s: database error, retrying in %.1fs: %s",
+                                self.name, pause, str(exc).splitlines()[0])
+                    claimed = 0
+                else:
+                    if claimed and len(self._running) < self.concurrency:
+                        continue  # the table may hold more: claim again without sleeping
+            if self._stopping:
+                if not self._live() and not self._unwritten:
+                    return
+                if grace_ends is not None and time.monotonic() >= grace_ends:
+                    self._give_back()
+                    return
+            elif burst and not self._live() and not self._unwritten and self._done.empty() and db_failures == 0:
+                return
+            timeout = min(self.poll_interval, max(0.0, next_heartbeat - time.monotonic()))
+            if db_retry_at > time.monotonic():
+                timeout = min(timeout, db_retry_at - time.monotonic())
+            self._wake.wait(max(timeout, 0.001))
+
+    def _live(self) -> list[_Run]:
+        return [run for run in self._running.values() if not run.abandoned]
+
+    def _claim(self) -> int:
+        free = self.concurrency - len(self._running)
+        if free <= 0:
+            return 0
+        token = uuid.uuid4().hex
+        with self.sql.write(self.engine) as conn:
+            jobs = self.sql.claim(conn, min(free, self.batch_size), self.name, token, self.lease, self.queues)
+        now = time.monotonic()
+        for job in jobs:
+            handler = self.queue.handlers.get(job.kind)
+            timeout = handler.timeout if handler else None
+            ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.name)
+            self._running[job.fence] = _Run(job, ctx, now, now + timeout if timeout else None)
+            self._todo.put(job)
+        return len(jobs)
+
+    def _collect(self) -> None:
+        """Take the outcomes the threads produced; free their slots."""
+        while True:
+            try:
+                run, outcome = self._done.get_nowait()
+            except stdlib_queue.Empty:
+                return
+            self._running.pop(run.job.fence, None)
+            if run.abandoned:
+                log.warning("job %d %s: handler returned after its run was abandoned; result (%s) discarded",
+                            run.job.id, run.job.kind, outcome.result)
+                continue
+            self._unwritten.append(outcome)
+
+    def _check_timeouts(self, now: float) -> None:
+        for run in self._live():
+            if run.deadline is not None and now > run.deadline:
+                run.abandoned = True
+                run.ctx.cancelled.set()
+                timeout = run.deadline - run.started
+                self._unwritten.append(_Outcome(run.job, "error", now - run.started,
+                                                f"TimeoutError: handler ran past its {timeout:g}s timeout"))
+
+    def _write_outcomes(self) -> None:
+        """Write what the threads produced: successes in one statement, the rest one by one."""
+        # After a database error some outcomes may be written already: skip those.
+        pending = [o for o in self._unwritten if not o.written]
+        ok = [o for o in pending if o.result == "ok"]
+        if ok:
+            with self.sql.write(self.engine) as conn:
+                kept = self.sql.finish(conn, [o.job.fence for o in ok])
+            for o in ok:
+                o.written = True
+                self._report(o, "finished" if o.job.id in kept else "lost")
+        for outcome in pending:
+            if not outcome.written:
+                self._write_one(outcome)
+                outcome.written = True
+        self._unwritten = []
+
+    def _write_one(self, o: _Outcome) -> None:
+        job = o.job
+        if o.result == "committed":
+            self._report(o, "finished")
+            return
+        if o.result == "lost":
+            self._report(o, "lost")
+            return
+        with self.sql.write(self.engine) as conn:
+            if o.result == "snooze":
+                applied = self.sql.release(conn, job.fence, delay=o.delay, refund=True)
+                name = "snoozed"
+            elif o.result == "cancel":
+                applied = self.sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
+                name = "cancelled"
+            elif job.attempt >= job.max_attempts:
+                applied = self.sql.dead_letter(conn, job.fence, o.error)
+                name = "dead_letter"
+            else:
+                o.delay = self.queue.retry_delay(job.kind, job.attempt)
+                applied = self.sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
+                name = "failed"
+        self._report(o, name if applied else "lost")
+
+    def _report(self, o: _Outcome, name: str) -> None:
+        job = o.job
+        self.processed += 1
+        detail = {
+            "finished": "finished",
+            "failed": f"failed, retry in {o.delay:.0f}s: {o.error}",
+            "dead_letter": f"failed for good, moved to dead letters: {o.error}",
+            "cancelled": f"cancelled: {o.error}",
+            "snoozed": f"snoozed for {o.delay:g}s",
+            "lost": "claim lost (lease expired or job taken over): result discarded",
+        }[name]
+        level = logging.WARNING if name in ("dead_letter", "lost") else logging.INFO
+        log.log(level, "job %d %s attempt %d/%d (%.1f ms): %s",
+                job.id, job.kind, job.attempt, job.max_attempts, o.duration * 1000, detail)
+        self.queue.emit(JobEvent(name, job.id, job.kind, job.queue, job.attempt, job.max_attempts,
+                                 o.duration, o.error or None))
+
+    def _heartbeat_and_reap(self) -> None:
+        held = [run.job.fence for run in self._live()] + [o.job.fence for o in self._unwritten]
+        if held:
+            with self.sql.write(self.engine) as conn:
+                kept = self.sql.heartbeat(conn, held, self.lease)
+            for fence in set(held) - kept:
+                run = self._running.get(fence)
+                if run is not None and not run.abandoned:
+                    run.abandoned = True
+                    run.ctx.cancelled.set()
+                    log.warning("job %d %s: lease lost while running; its result will be discarded",
+                                run.job.id, run.job.kind)
+        self._reap()
+
+    def _reap(self) -> None:
+        """Hand back jobs whose worker vanished; the lost attempt counts."""
+        with self.sql.write(self.engine) as conn:
+            for row in self.sql.expired(conn):
+                error = (f"WorkerLost: worker {row.locked_by} stopped heartbeating "
+                         f"(lease expired) during attempt {row.attempts}")
+                fence = (row.id, row.claim_token)
+                if row.attempts >= row.max_attempts:
+                    self.sql.dead_letter(conn, fence, error)
+                    log.warning("job %d %s attempt %d/%d: worker lost on the last attempt, moved to dead letters",
+                                row.id, row.kind, row.attempts, row.max_attempts)
+                    self.queue.emit(JobEvent("dead_letter", row.id, row.kind, "", row.attempts, row.max_attempts,
+                                             None, error))
+                else:
+                    self.sql.release(conn, fence, error=error, attempt=row.attempts)
+                    log.warning("job %d %s attempt %d/%d: worker lost, job handed back to the queue",
+                                row.id, row.kind, row.attempts, row.max_attempts)
+
+    def _give_back(self) -> None:
+        """Grace is over: return unfinished jobs to the queue so they run again promptly."""
+        live = self._live()
+        try:
+            self._write_outcomes()
+            if live:
+                with self.sql.write(self.engine) as conn:
+                    given = self.sql.give_back(conn, [run.job.fence for run in live])
+                log.warning("worker %s: grace period over, gave %d running job(s) back to the queue",
+                            self.name, given)
+        except (OperationalError, DBAPIError) as exc:
+            log.warning("worker %s: could not give jobs back (%s); their leases will expire",
+                        self.name, str(exc).splitlines()[0])
+        for run in live:
+            run.abandoned = True
+            run.ctx.cancelled.set()
+
+    # -- handler threads ------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        loop: asyncio.AbstractEventLoop | None = None
+        while True:
+            job = self._todo.get()
+            if job is None:
+                if loop is not None:
+                    loop.close()
+                return
+            run = self._running.get(job.fence)
+            if run is None:  # given back before it started
+                continue
+            handler = self.queue.handlers.get(job.kind)
+            if handler is not None and handler.is_async and loop is None:
+                loop = asyncio.new_event_loop()
+            outcome = self._execute(run, loop)
+            self._done.put((run, outcome))
+            self._wake.set()
+
+    def _execute(self, run: _Run, loop: asyncio.AbstractEventLoop | None) -> _Outcome:
+        job, ctx = run.job, run.ctx
+        handler = self.queue.handlers.get(job.kind)
+        started = time.monotonic()
+
+        def outcome(result: str, error: str = "", delay: float = 0.0) -> _Outcome:
+            return _Outcome(job, result, time.monotonic() - started, error, delay)
+
+        if handler is None:
+            return outcome("error", f"UnknownKind: {self.queue.unknown_kind_message(job.kind)}")
+        self.queue.emit(JobEvent("started", job.id, job.kind, job.queue, job.attempt, job.max_attempts))
+        token = _current.set(ctx)
+        try:
+            if handler.transactional:
+                self._execute_in_transaction(run, handler.fn)
+                return outcome("committed")
+            if handler.is_async:
+                assert loop is not None
+                loop.run_until_complete(asyncio.wait_for(handler.fn(job.payload), handler.timeout))
+            else:
+                handler.fn(job.payload)
+            return outcome("ok")
+        except JobSnooze as snooze:
+            return outcome("snooze", delay=snooze.seconds)
+        except JobCancel as cancel:
+            return outcome("cancel", f"JobCancel: {cancel.reason}")
+        except _ClaimLost:
+            return outcome("lost")
+        except asyncio.TimeoutError:
+            return outcome("error", f"TimeoutError: handler ran past its {handler.timeout:g}s timeout")
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                log.warning("job %d %s: handler raised %s; treated as a failure", job.id, job.kind, type(exc).__name__)
+            return outcome("error", f"{type(exc).__name__}: {exc}")
+        finally:
+            _current.reset(token)
+
+    def _execute_in_transaction(self, run: _Run, fn: Any) -> None:
+        """The handler's writes and the job's completion commit together, or not at all."""
+        with Session(self.engine) as session:
+            conn = session.connection()
+            if self.sql.sqlite:
+                conn.exec_driver_sql("PRAGMA busy_timeout = 30000")
+                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            run.ctx.session = session
+            try:
+                fn(run.job.payload)
+                session.flush()
+                if run.abandoned or not self.sql.finish(session.connection(), [run.job.fence]):
+                    raise _ClaimLost()
+            except BaseException:
+                session.rollback()
+                raise
+            finally:
+                run.ctx.session = None
+            session.commit()
+
+    # -- LISTEN / NOTIFY -------------------------------------------------------------
+
+    def _listen_main(self) -> None:
+        """Wake the control loop when an enqueuing transaction commits; reconnect on errors."""
+        failures = 0
+        while not self._closed.is_set():
+            conn = None
+            try:
+                raw = self.engine.raw_connection()
+                raw.detach()  # a long-lived LISTEN connection does not belong in the pool
+                conn = raw.driver_connection
+                conn.autocommit = True  # type: ignore[union-attr]
+                conn.execute(f'LISTEN "{self.sql.channel}"')  # type: ignore[union-attr]
+                failures = 0
+                self._wake.set()  # notifications sent while we were away are lost: look now
+                while not self._closed.is_set():
+                    for _ in conn.notifies(timeout=1.0):  # type: ignore[union-attr]
+                        self._wake.set()
+            except Exception as exc:
+                failures += 1
+                log.info("worker %s: LISTEN connection failed (%s); polling until it is back",
+                         self.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self._closed.wait(min(30.0, 0.5 * 2 ** min(failures, 6)))
+            finally:
+                if conn is not None:
+                    with contextlib.suppress(Exception):
+                        conn.close()
+
+    # -- signals ----------------------------------------------------------------------
+
+    def _install_signals(self) -> dict[int, Any]:
+        if threading.current_thread() is not threading.main_thread():
+            return {}
+        previous = {}
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, self._on_signal)
+        return previous
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            log.warning("worker %s: second signal, exiting now; leases cover the running jobs", self.name)
+            os._exit(1)
+        log.info("worker %s: %s received, shutting down gracefully (signal again to exit at once)",
+                 self.name, signal.Signals(signum).name)
+        self.stop()

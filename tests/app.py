@@ -1,0 +1,147 @@
+"""The app the tests run workers against, in-process and as ``--app tests.app:queue``.
+
+Handlers record what they do in the ``effects`` table (one row per start and
+per finish, with the attempt and the worker's pid), so tests can check
+exactly what ran, how often, and where. The database is ``SQLA_JOBS_URL``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import BigInteger, DateTime, Engine, Integer, String, UniqueConstraint, create_engine, func, insert
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from sqla_jobs import Backoff, DeadJobMixin, JobCancel, JobMixin, JobQueue, JobSnooze, current_job
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(JobMixin, Base):
+    __tablename__ = "jobs"
+
+
+class DeadJob(DeadJobMixin, Base):
+    __tablename__ = "dead_jobs"
+
+
+class Effect(Base):
+    """One row per handler start or finish."""
+
+    __tablename__ = "effects"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer(), "sqlite"), primary_key=True)
+    job_id: Mapped[int] = mapped_column(BigInteger)
+    attempt: Mapped[int] = mapped_column(Integer)
+    event: Mapped[str] = mapped_column(String(16))
+    pid: Mapped[int] = mapped_column(Integer)
+    at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
+
+
+class Once(Base):
+    """A unique key on job id: a second completed run of one job cannot commit."""
+
+    __tablename__ = "once"
+    job_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    __table_args__ = (UniqueConstraint("job_id", name="uq_once_job_id"),)
+
+
+# Retries come quickly in tests; individual tests override per kind where they need to.
+queue: JobQueue[Job, DeadJob] = JobQueue(Job, DeadJob, backoff=Backoff(base=0.0, jitter=0.0))
+
+_engine: Engine | None = None
+_lock = threading.Lock()
+
+
+def engine() -> Engine:
+    """The handlers' own engine (an app would have its own too)."""
+    global _engine
+    with _lock:
+        if _engine is None:
+            _engine = create_engine(os.environ["SQLA_JOBS_URL"])
+        return _engine
+
+
+def record(event: str) -> None:
+    job = current_job()
+    with engine().begin() as conn:
+        conn.execute(insert(Effect).values(job_id=job.id, attempt=job.attempt, event=event, pid=os.getpid()))
+
+
+@queue.handler("noop")
+def noop(payload: dict[str, Any]) -> None:
+    pass
+
+
+@queue.handler("record")
+def record_run(payload: dict[str, Any]) -> None:
+    record("start")
+    if payload.get("sleep"):
+        time.sleep(payload["sleep"])
+    record("finish")
+
+
+@queue.handler("once", transactional=True)
+def once(payload: dict[str, Any]) -> None:
+    """Exactly-once: the Once row commits with the job's completion, or not at all."""
+    job = current_job()
+    assert job.session is not None
+    job.session.add(Once(job_id=job.id))
+    if payload.get("sleep"):
+        time.sleep(payload["sleep"])
+
+
+@queue.handler("fail")
+def fail(payload: dict[str, Any]) -> None:
+    raise ValueError(payload.get("message", "boom"))
+
+
+@queue.handler("flaky")
+def flaky(payload: dict[str, Any]) -> None:
+    if current_job().attempt < payload["succeed_on"]:
+        raise ConnectionError(f"attempt {current_job().attempt} failed")
+
+
+@queue.handler("sleep")
+def sleep(payload: dict[str, Any]) -> None:
+    record("start")
+    deadline = time.monotonic() + payload["seconds"]
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+    record("finish")
+
+
+@queue.handler("hang", timeout=0.5)
+def hang(payload: dict[str, Any]) -> None:
+    record("start")
+    time.sleep(payload.get("seconds", 3))
+    record("finish")
+
+
+@queue.handler("suicide")
+def suicide(payload: dict[str, Any]) -> None:
+    """A poison job: kills its own worker process every time."""
+    record("start")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+@queue.handler("snooze")
+def snooze(payload: dict[str, Any]) -> None:
+    if current_job().attempt == 1 and not payload.get("done"):
+        raise JobSnooze(payload.get("seconds", 0))
+
+
+@queue.handler("cancel")
+def cancel(payload: dict[str, Any]) -> None:
+    raise JobCancel("customer deleted")
+
+
+@queue.handler("async_noop")
+async def async_noop(payload: dict[str, Any]) -> None:
+    record("finish")

@@ -1,0 +1,126 @@
+"""Test harness: every test that takes ``db`` runs once on a SQLite file and once on PostgreSQL.
+
+PostgreSQL tests each get a fresh schema (dropped afterwards), selected through
+the URL's ``search_path``, so worker subprocesses given ``db.url`` see the
+same tables. Override the server with ``SQLA_JOBS_TEST_PG_URL``. When
+PostgreSQL is unreachable its tests skip, except with ``CI=true``, where the
+run fails: CI must never pass by skipping the production backend.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy.engine import URL
+
+from tests import app
+
+ROOT = Path(__file__).resolve().parent.parent
+PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _pg_available() -> str | None:
+    try:
+        engine = create_engine(PG_URL)
+        with engine.connect() as conn:
+            conn.execute(text("select 1"))
+        engine.dispose()
+        return None
+    except Exception as exc:  # noqa: BLE001
+        return str(exc).splitlines()[0]
+
+
+_PG_PROBLEM = _pg_available()
+
+
+@dataclass
+class Database:
+    backend: str  # "sqlite" or "postgresql"
+    url: str  # with the password, for subprocesses
+    engine: Engine
+    schema: str | None = None
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return {**os.environ, "SQLA_JOBS_URL": self.url, "PYTHONPATH": str(ROOT), **extra}
+
+
+def require_postgres() -> None:
+    if _PG_PROBLEM:
+        if IN_CI:
+            pytest.fail(f"PostgreSQL is required in CI but unreachable at {PG_URL}: {_PG_PROBLEM}")
+        pytest.skip(f"PostgreSQL unreachable at {PG_URL}: {_PG_PROBLEM}")
+
+
+def make_database(backend: str, tmp_path: Path) -> Iterator[Database]:
+    if backend == "sqlite":
+        url = f"sqlite:///{tmp_path / 'jobs.db'}"
+        engine = create_engine(url)
+        yield Database("sqlite", url, engine)
+        engine.dispose()
+        return
+    require_postgres()
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    base: URL = make_url(PG_URL)
+    url = base.update_query_dict({"options": f"-csearch_path={schema}"})
+    rendered = url.render_as_string(hide_password=False)
+    engine = create_engine(rendered)
+    try:
+        yield Database("postgresql", rendered, engine, schema)
+    finally:
+        engine.dispose()
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
+        admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Database]:
+    """An empty database with the test app's tables, on each backend."""
+    for database in make_database(request.param, tmp_path):
+        monkeypatch.setenv("SQLA_JOBS_URL", database.url)
+        app._engine = None  # the handlers' engine follows SQLA_JOBS_URL
+        app.queue.create_tables(database.engine)
+        app.Base.metadata.create_all(database.engine)
+        yield database
+        if app._engine is not None:
+            app._engine.dispose()
+            app._engine = None
+
+
+@pytest.fixture
+def pg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Database]:
+    """PostgreSQL only, for the features only it has."""
+    for database in make_database("postgresql", tmp_path):
+        monkeypatch.setenv("SQLA_JOBS_URL", database.url)
+        app._engine = None
+        app.Base.metadata.create_all(database.engine)
+        yield database
+        if app._engine is not None:
+            app._engine.dispose()
+            app._engine = None
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess[str]:
+    """Run ``sqla-jobs ARGS`` in a subprocess, as a user would."""
+    return subprocess.run(
+        [sys.executable, "-m", "sqla_jobs.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=timeout,
+        **kw,
+    )
