@@ -161,6 +161,12 @@ def cmd_dead_retry(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run_bench
+
+    return run_bench(args, make_engine)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
@@ -214,6 +220,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind")
     p.add_argument("--all", action="store_true")
     p.set_defaults(func=cmd_dead_retry)
+
+    p = sub.add_parser("bench", help="measure enqueue, drain and pickup latency on a scratch schema or file")
+    _common(p, app=False)
+    p.add_argument("--jobs", type=int, default=10_000, help="jobs per measurement (default 10000)")
+    p.add_argument("--concurrency", type=int, default=8, help="threads per worker process (default 8)")
+    p.add_argument("--processes", type=int, default=2, help="worker processes for the drain (default 2)")
+    p.add_argument("--batch-size", type=int, default=100, help="most jobs one claim takes (default 100)")
+    p.add_argument("--runs", type=int, default=3, help="repeat and report medians (default 3)")
+    p.add_argument("--latency-samples", type=int, default=200)
+    p.add_argument("--finished-rows", type=int, default=0, help="pre-fill with this many finished jobs")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")

@@ -49,6 +49,7 @@ them with ``JobMixin.table_args(...)`` so the queue's own indexes stay::
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
@@ -79,8 +80,8 @@ def _tz() -> DateTime:
     return DateTime(timezone=True)
 
 
-def check_payload(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> None:
-    """Raise InvalidJob unless ``payload`` survives a trip through jsonb unchanged."""
+def check_payload(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> str:
+    """Raise InvalidJob unless ``payload`` survives a trip through jsonb unchanged; return its JSON."""
     if not isinstance(payload, dict):
         raise InvalidJob(f"Job.payload must be a dict (a JSON object), not {type(payload).__name__}")
     try:
@@ -95,6 +96,7 @@ def check_payload(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> None:
             "store large data in your own table and pass its key"
         )
     _walk(payload, "payload")
+    return encoded
 
 
 def _walk(value: Any, path: str) -> None:
@@ -123,6 +125,27 @@ def _utc(name: str, value: datetime | None) -> datetime | None:
     if value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
     return value.astimezone(timezone.utc)
+
+
+def check_row(model: type[JobMixin], row: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one ``enqueue_many`` item like ``Job(**row)`` would; the payload comes back as JSON text."""
+    unknown = set(row) - _ROW_FIELDS
+    if unknown:
+        raise InvalidJob(f"enqueue_many: unknown field(s) {', '.join(sorted(unknown))}; allowed: "
+                         f"{', '.join(sorted(_ROW_FIELDS))}")
+    if "kind" not in row:
+        raise InvalidJob("Job.kind is required: the name of the handler that runs the job")
+    return {
+        "kind": _text_field("kind", row["kind"], MAX_KIND_LENGTH),
+        "queue": _text_field("queue", row.get("queue", "default"), MAX_QUEUE_LENGTH),
+        "payload": check_payload(row.get("payload", {}), model.max_payload_bytes),
+        "priority": _int_field("priority", row.get("priority", 0)),
+        "max_attempts": _int_field("max_attempts", row.get("max_attempts", 5), 1),
+        "run_at": _utc("run_at", row.get("run_at")),
+    }
+
+
+_ROW_FIELDS = {"kind", "queue", "payload", "priority", "max_attempts", "run_at"}
 
 
 def _text_field(name: str, value: Any, max_length: int) -> str:
@@ -213,10 +236,11 @@ class JobMixin(_Common):
         """The indexes the queue needs, named after this class's table."""
         name = cls.__tablename__  # type: ignore[attr-defined]
         return [
-            # The claim: due jobs of a queue, most urgent and oldest first.
+            # The claim: due jobs, most urgent and oldest first, in index order
+            # (no sort). A queue filter is applied while scanning; see docs on
+            # adding (queue, priority DESC, run_at, id) when workers are split by queue.
             Index(
                 f"ix_{name}_pending",
-                "queue",
                 text("priority DESC"),
                 "run_at",
                 "id",

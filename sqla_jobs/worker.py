@@ -42,10 +42,12 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
@@ -90,13 +92,14 @@ class Worker:
         engine: Engine,
         queue: JobQueue[Any, Any],
         *,
-        concurrency: int = 4,
+        concurrency: int = 10,
         queues: list[str] | None = None,
         lease: float = 60.0,
         heartbeat: float | None = None,
         poll_interval: float = 1.0,
         grace: float = 30.0,
         batch_size: int = 100,
+        flush_interval: float = 0.002,
         listen: bool = True,
         name: str | None = None,
     ) -> None:
@@ -116,6 +119,7 @@ class Worker:
         self.poll_interval = poll_interval
         self.grace = grace
         self.batch_size = batch_size
+        self.flush_interval = flush_interval
         self.listen = listen and self.sql.postgres and engine.dialect.driver == "psycopg"
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
 
@@ -124,9 +128,11 @@ class Worker:
         self._done: stdlib_queue.SimpleQueue[tuple[_Run, _Outcome]] = stdlib_queue.SimpleQueue()
         self._running: dict[Fence, _Run] = {}
         self._unwritten: list[_Outcome] = []
+        self._unwritten_since: float | None = None  # when the oldest unwritten outcome arrived
         self._stopping = False
         self._closed = threading.Event()
         self._signals = 0
+        self._conn: Connection | None = None
         self.processed = 0  # outcomes written, for tests and the bench
 
     # -- public ------------------------------------------------------------------
@@ -151,6 +157,9 @@ class Worker:
             self._loop(burst)
         finally:
             self._closed.set()
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
             for _ in threads:
                 self._todo.put(None)
             for sig, handler in previous.items():
@@ -176,13 +185,10 @@ class Worker:
                          self.name, self.grace, len(self._live()))
             if now >= db_retry_at:
                 try:
-                    self._write_outcomes()
                     if now >= next_heartbeat:
                         self._heartbeat_and_reap()
                         next_heartbeat = now + self.heartbeat
-                    claimed = 0
-                    if not self._stopping:
-                        claimed = self._claim()
+                    claimed = self._exchange(self._should_write(now), self._should_claim())
                     if db_failures:
                         log.warning("worker %s: database is back", self.name)
                     db_failures = 0
@@ -205,20 +211,78 @@ class Worker:
             elif burst and not self._live() and not self._unwritten and self._done.empty() and db_failures == 0:
                 return
             timeout = min(self.poll_interval, max(0.0, next_heartbeat - time.monotonic()))
+            if self._unwritten_since is not None:
+                timeout = min(timeout, self._unwritten_since + self.flush_interval - time.monotonic())
             if db_retry_at > time.monotonic():
                 timeout = min(timeout, db_retry_at - time.monotonic())
             self._wake.wait(max(timeout, 0.001))
 
+    @contextmanager
+    def _hot(self) -> Iterator[Connection]:
+        """The connection for single-statement writes (claim, finish, heartbeat, release).
+
+        On PostgreSQL the control thread keeps one connection in autocommit
+        mode: each of these writes is one fenced statement, atomic on its own,
+        so a BEGIN and a COMMIT round trip per write would buy nothing. Writes
+        of several statements (dead-lettering, the reaper) use ``SQL.write``.
+        """
+        if not self.sql.postgres:
+            with self.sql.write(self.engine) as conn:
+                yield conn
+            return
+        if self._conn is None:
+            self._conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            yield self._conn
+        except DBAPIError:
+            conn, self._conn = self._conn, None
+            try:
+                conn.invalidate()
+                conn.close()
+            except Exception:
+                pass
+            raise
+
+    def _should_write(self, now: float) -> bool:
+        """Batch completions: write when nothing else is running, the batch is full, or it waited long enough."""
+        if self._unwritten_since is None:
+            return False
+        return (
+            self._stopping
+            or len(self._unwritten) >= self.batch_size
+            or now - self._unwritten_since >= self.flush_interval
+            or not self._live()  # every running job is done
+        )
+
+    def _should_claim(self) -> bool:
+        """Claim in batches: when at least half the threads are free, or all are idle."""
+        if self._stopping:
+            return False
+        free = self.concurrency - len(self._running)
+        return free > 0 and (free * 2 >= self.concurrency or not self._live())
+
     def _live(self) -> list[_Run]:
         return [run for run in self._running.values() if not run.abandoned]
 
-    def _claim(self) -> int:
-        free = self.concurrency - len(self._running)
-        if free <= 0:
-            return 0
-        token = uuid.uuid4().hex
-        with self.sql.write(self.engine) as conn:
-            jobs = self.sql.claim(conn, min(free, self.batch_size), self.name, token, self.lease, self.queues)
+    def _exchange(self, write: bool, claim: bool) -> int:
+        """One round trip: write finished runs (if ``write``) and claim jobs for free threads (if ``claim``).
+
+        Returns how many jobs were claimed. Other outcomes (failures, snoozes)
+        are written afterwards, one statement each: they are the rare case.
+        """
+        pending = [o for o in self._unwritten if not o.written] if write else []
+        ok = [o for o in pending if o.result == "ok"]
+        limit = min(self.concurrency - len(self._running), self.batch_size) if claim else 0
+        jobs: list[Claimed] = []
+        if ok or limit > 0:
+            token = uuid.uuid4().hex
+            with self._hot() as conn:
+                kept, jobs = self.sql.finish_and_claim(
+                    conn, [o.job.fence for o in ok], max(limit, 0), self.name, token, self.lease, self.queues
+                )
+            for o in ok:
+                o.written = True
+                self._report(o, "finished" if o.job.id in kept else "lost")
         now = time.monotonic()
         for job in jobs:
             handler = self.queue.handlers.get(job.kind)
@@ -226,6 +290,13 @@ class Worker:
             ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.name)
             self._running[job.fence] = _Run(job, ctx, now, now + timeout if timeout else None)
             self._todo.put(job)
+        if write:
+            for outcome in pending:
+                if not outcome.written:
+                    self._write_one(outcome)
+                    outcome.written = True
+            self._unwritten = []
+            self._unwritten_since = None
         return len(jobs)
 
     def _collect(self) -> None:
@@ -240,7 +311,12 @@ class Worker:
                 log.warning("job %d %s: handler returned after its run was abandoned; result (%s) discarded",
                             run.job.id, run.job.kind, outcome.result)
                 continue
-            self._unwritten.append(outcome)
+            self._add_unwritten(outcome)
+
+    def _add_unwritten(self, outcome: _Outcome) -> None:
+        if self._unwritten_since is None:
+            self._unwritten_since = time.monotonic()
+        self._unwritten.append(outcome)
 
     def _check_timeouts(self, now: float) -> None:
         for run in self._live():
@@ -248,25 +324,8 @@ class Worker:
                 run.abandoned = True
                 run.ctx.cancelled.set()
                 timeout = run.deadline - run.started
-                self._unwritten.append(_Outcome(run.job, "error", now - run.started,
+                self._add_unwritten(_Outcome(run.job, "error", now - run.started,
                                                 f"TimeoutError: handler ran past its {timeout:g}s timeout"))
-
-    def _write_outcomes(self) -> None:
-        """Write what the threads produced: successes in one statement, the rest one by one."""
-        # After a database error some outcomes may be written already: skip those.
-        pending = [o for o in self._unwritten if not o.written]
-        ok = [o for o in pending if o.result == "ok"]
-        if ok:
-            with self.sql.write(self.engine) as conn:
-                kept = self.sql.finish(conn, [o.job.fence for o in ok])
-            for o in ok:
-                o.written = True
-                self._report(o, "finished" if o.job.id in kept else "lost")
-        for outcome in pending:
-            if not outcome.written:
-                self._write_one(outcome)
-                outcome.written = True
-        self._unwritten = []
 
     def _write_one(self, o: _Outcome) -> None:
         job = o.job
@@ -276,20 +335,22 @@ class Worker:
         if o.result == "lost":
             self._report(o, "lost")
             return
-        with self.sql.write(self.engine) as conn:
-            if o.result == "snooze":
-                applied = self.sql.release(conn, job.fence, delay=o.delay, refund=True)
-                name = "snoozed"
-            elif o.result == "cancel":
-                applied = self.sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
-                name = "cancelled"
-            elif job.attempt >= job.max_attempts:
+        if o.result == "error" and job.attempt >= job.max_attempts:
+            with self.sql.write(self.engine) as conn:  # two statements: one transaction
                 applied = self.sql.dead_letter(conn, job.fence, o.error)
-                name = "dead_letter"
-            else:
-                o.delay = self.queue.retry_delay(job.kind, job.attempt)
-                applied = self.sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
-                name = "failed"
+            name = "dead_letter"
+        else:
+            with self._hot() as conn:
+                if o.result == "snooze":
+                    applied = self.sql.release(conn, job.fence, delay=o.delay, refund=True)
+                    name = "snoozed"
+                elif o.result == "cancel":
+                    applied = self.sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
+                    name = "cancelled"
+                else:
+                    o.delay = self.queue.retry_delay(job.kind, job.attempt)
+                    applied = self.sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
+                    name = "failed"
         self._report(o, name if applied else "lost")
 
     def _report(self, o: _Outcome, name: str) -> None:
@@ -312,7 +373,7 @@ class Worker:
     def _heartbeat_and_reap(self) -> None:
         held = [run.job.fence for run in self._live()] + [o.job.fence for o in self._unwritten]
         if held:
-            with self.sql.write(self.engine) as conn:
+            with self._hot() as conn:
                 kept = self.sql.heartbeat(conn, held, self.lease)
             for fence in set(held) - kept:
                 run = self._running.get(fence)
@@ -345,9 +406,9 @@ class Worker:
         """Grace is over: return unfinished jobs to the queue so they run again promptly."""
         live = self._live()
         try:
-            self._write_outcomes()
+            self._exchange(write=True, claim=False)
             if live:
-                with self.sql.write(self.engine) as conn:
+                with self._hot() as conn:
                     given = self.sql.give_back(conn, [run.job.fence for run in live])
                 log.warning("worker %s: grace period over, gave %d running job(s) back to the queue",
                             self.name, given)
@@ -444,8 +505,8 @@ class Worker:
             conn = None
             try:
                 raw = self.engine.raw_connection()
-                raw.detach()  # a long-lived LISTEN connection does not belong in the pool
                 conn = raw.driver_connection
+                raw.detach()  # a long-lived LISTEN connection does not belong in the pool
                 conn.autocommit = True  # type: ignore[union-attr]
                 conn.execute(f'LISTEN "{self.sql.channel}"')  # type: ignore[union-attr]
                 failures = 0

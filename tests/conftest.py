@@ -36,7 +36,7 @@ def _pg_available() -> str | None:
             conn.execute(text("select 1"))
         engine.dispose()
         return None
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         return str(exc).splitlines()[0]
 
 

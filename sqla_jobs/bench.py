@@ -1,0 +1,285 @@
+"""``sqla-jobs bench``: measure sqla-jobs on your own database.
+
+::
+
+    sqla-jobs bench --url postgresql+psycopg://user@host/db --jobs 10000 --concurrency 8 --processes 2
+
+It creates its own tables (PostgreSQL: a scratch schema ``sqla_jobs_bench_<pid>``,
+dropped at the end; SQLite: a scratch file beside the one in ``--url``) and
+measures, each ``--runs`` times, reporting the median:
+
+* enqueue, one job per transaction (``session.add`` + commit), next to the same
+  insert as raw SQL on the same connection, for the overhead ratio;
+* enqueue, ``session.add_all`` of ``--jobs`` jobs in one transaction;
+* enqueue, ``queue.enqueue_many`` (COPY on PostgreSQL) of ``--jobs`` jobs;
+* drain: ``--processes`` worker processes of ``--concurrency`` threads each,
+  idle and listening, then ``--jobs`` no-op jobs committed at once; the rate is
+  jobs divided by the time from that commit until the last one is finished;
+* pickup latency with an idle worker: from the commit of one job to its handler
+  starting, over ``--latency-samples`` jobs (p50 / p95 / p99);
+* peak RSS of the worker processes.
+
+``--finished-rows N`` first fills the table with N finished jobs, to see how
+the drain rate holds up before pruning. ``--json`` prints machine-readable results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, MetaData, create_engine, func, insert, select, text
+from sqlalchemy.engine import URL
+from sqlalchemy.orm import DeclarativeBase, Session
+
+from .backoff import Backoff
+from .models import DeadJobMixin, JobMixin
+from .queue import JobQueue
+from .worker import Worker
+
+__all__ = ["run_bench"]
+
+
+class _Base(DeclarativeBase):
+    metadata = MetaData()
+
+
+class BenchJob(JobMixin, _Base):
+    __tablename__ = "jobs"
+
+
+class BenchDeadJob(DeadJobMixin, _Base):
+    __tablename__ = "dead_jobs"
+
+
+queue: JobQueue[BenchJob, BenchDeadJob] = JobQueue(BenchJob, BenchDeadJob, backoff=Backoff(base=0))
+_picked_up: dict[int, float] = {}
+_picked_event = threading.Event()
+
+
+@queue.handler("noop")
+def noop(payload: dict[str, Any]) -> None:
+    pass
+
+
+@queue.handler("ping")
+def ping(payload: dict[str, Any]) -> None:
+    _picked_up[payload["n"]] = time.perf_counter()
+    _picked_event.set()
+
+
+# -- scratch database --------------------------------------------------------------
+
+
+@contextmanager
+def scratch(url: URL) -> Iterator[URL]:
+    """A URL whose tables are the bench's own, removed afterwards."""
+    if url.get_backend_name() == "sqlite":
+        base = url.database if url.database not in (None, "", ":memory:") else None
+        folder = os.path.dirname(os.path.abspath(base)) if base else tempfile.gettempdir()
+        path = os.path.join(folder, f"sqla-jobs-bench-{os.getpid()}.db")
+        try:
+            yield url.set(database=path)
+        finally:
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(path + suffix):
+                    os.remove(path + suffix)
+        return
+    schema = f"sqla_jobs_bench_{os.getpid()}"
+    admin = create_engine(url)
+    with admin.begin() as conn:
+        conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+    try:
+        yield url.update_query_dict({"options": f"-csearch_path={schema}"})
+    finally:
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        admin.dispose()
+
+
+def _reset(engine: Engine) -> None:
+    _Base.metadata.drop_all(engine)
+    queue.create_tables(engine)
+
+
+def _count_finished(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return conn.execute(
+            select(func.count()).select_from(BenchJob).where(BenchJob.state == "finished")
+        ).scalar_one()
+
+
+def _fill_finished(engine: Engine, rows: int) -> None:
+    """Old finished jobs, as a queue that has not been pruned would have."""
+    t = BenchJob.__table__
+    if engine.dialect.name == "postgresql":
+        with engine.begin() as conn:
+            conn.execute(text(
+                f"INSERT INTO {t.name} (kind, queue, payload, state, attempts, locked_at, finished_at) "
+                "SELECT 'noop', 'default', '{}'::jsonb, 'finished', 1, now() - interval '1 day', "
+                "now() - interval '1 day' FROM generate_series(1, :n)"
+            ), {"n": rows})
+            conn.execute(text(f"ANALYZE {t.name}"))
+        return
+    with engine.begin() as conn:
+        conn.execute(insert(t), [{"kind": "noop", "payload": {}, "state": "finished", "attempts": 1}] * rows)
+
+
+# -- measurements --------------------------------------------------------------------
+
+
+def enqueue_single(engine: Engine, n: int) -> tuple[float, float]:
+    """Jobs/s for one ORM job per transaction, and for the same insert in raw SQL."""
+    start = time.perf_counter()
+    for i in range(n):
+        with Session(engine) as session, session.begin():
+            session.add(BenchJob(kind="noop", payload={"i": i}))
+    orm = n / (time.perf_counter() - start)
+    t = BenchJob.__table__
+    sql = text(f"INSERT INTO {t.name} (kind, payload) VALUES ('noop', :p)")
+    start = time.perf_counter()
+    with engine.connect() as conn:
+        for i in range(n):
+            conn.execute(sql, {"p": json.dumps({"i": i})})
+            conn.commit()
+    raw = n / (time.perf_counter() - start)
+    return orm, raw
+
+
+def enqueue_add_all(engine: Engine, n: int) -> float:
+    start = time.perf_counter()
+    with Session(engine) as session, session.begin():
+        session.add_all([BenchJob(kind="noop", payload={"i": i}) for i in range(n)])
+    return n / (time.perf_counter() - start)
+
+
+def enqueue_fast(engine: Engine, n: int) -> float:
+    start = time.perf_counter()
+    with Session(engine) as session, session.begin():
+        queue.enqueue_many(session, ({"kind": "noop", "payload": {"i": i}} for i in range(n)))
+    return n / (time.perf_counter() - start)
+
+
+def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int) -> None:
+    import logging
+
+    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
+    engine = create_engine(url, pool_size=max(5, concurrency + 2))
+    poll = 0.5 if engine.dialect.name == "postgresql" else 0.02  # SQLite has no NOTIFY: it polls
+    worker = Worker(engine, queue, concurrency=concurrency, poll_interval=poll, batch_size=batch_size)
+    ready.set()
+    worker.run()
+
+
+def drain(url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int) -> float:
+    ctx = mp.get_context("spawn")
+    readies = [ctx.Event() for _ in range(processes)]
+    rendered = url.render_as_string(hide_password=False)
+    procs = [ctx.Process(target=_worker_main, args=(rendered, concurrency, r, batch_size)) for r in readies]
+    for p in procs:
+        p.start()
+    for r in readies:
+        r.wait(60)
+    time.sleep(0.5)  # let them reach their idle wait
+    with Session(engine) as session, session.begin():
+        queue.enqueue_many(session, ({"kind": "noop", "payload": {}} for _ in range(n)))
+    start = time.perf_counter()
+    while _count_finished(engine) < n:
+        time.sleep(0.02)
+    elapsed = time.perf_counter() - start
+    for p in procs:
+        p.terminate()  # SIGTERM: graceful, nothing is running by now
+    for p in procs:
+        p.join(30)
+    return n / elapsed
+
+
+def pickup_latency(engine: Engine, samples: int) -> list[float]:
+    """Milliseconds from the commit of a job to its handler starting, with an idle in-process worker."""
+    worker = Worker(engine, queue, concurrency=1, poll_interval=1.0)
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    time.sleep(1.0)
+    latencies = []
+    for i in range(samples):
+        _picked_event.clear()
+        with Session(engine) as session, session.begin():
+            session.add(BenchJob(kind="ping", payload={"n": i}))
+        committed = time.perf_counter()
+        if not _picked_event.wait(10):
+            raise RuntimeError("a job was not picked up within 10 s")
+        latencies.append((_picked_up[i] - committed) * 1000)
+        time.sleep(0.01)
+    worker.stop()
+    thread.join(30)
+    return latencies
+
+
+def _pct(values: list[float], p: int) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
+
+
+def run_bench(args: argparse.Namespace, make_engine: Callable[[str], Engine]) -> int:
+    base = make_engine(args.url)
+    url = base.url
+    base.dispose()
+    results: dict[str, list[float]] = {}
+
+    def record(name: str, value: float) -> None:
+        results.setdefault(name, []).append(value)
+
+    with scratch(url) as bench_url:
+        engine = create_engine(bench_url, pool_size=10)
+        for run in range(args.runs):
+            _reset(engine)
+            single, raw = enqueue_single(engine, min(args.jobs, 2000))
+            record("enqueue one per transaction (jobs/s)", single)
+            record("raw SQL insert one per transaction (jobs/s)", raw)
+            _reset(engine)
+            record("enqueue add_all (jobs/s)", enqueue_add_all(engine, args.jobs))
+            _reset(engine)
+            record("enqueue_many (jobs/s)", enqueue_fast(engine, args.jobs))
+            _reset(engine)
+            if args.finished_rows:
+                _fill_finished(engine, args.finished_rows)
+            finished_before = _count_finished(engine)
+            rate = drain(bench_url, engine, args.jobs, args.concurrency, args.processes, args.batch_size)
+            assert _count_finished(engine) - finished_before == args.jobs
+            record("drain (jobs/s)", rate)
+            if not args.finished_rows:
+                _reset(engine)
+                lat = pickup_latency(engine, args.latency_samples)
+                record("pickup p50 (ms)", _pct(lat, 50))
+                record("pickup p95 (ms)", _pct(lat, 95))
+                record("pickup p99 (ms)", _pct(lat, 99))
+            print(f"run {run + 1}/{args.runs} done", flush=True)
+        engine.dispose()
+    rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    summary = {name: statistics.median(values) for name, values in results.items()}
+    summary["worker peak RSS (MB)"] = rss_mb
+    summary["one-per-transaction vs raw SQL"] = (
+        summary["enqueue one per transaction (jobs/s)"] / summary["raw SQL insert one per transaction (jobs/s)"]
+    )
+    if args.json:
+        print(json.dumps({"settings": vars_of(args), "medians": summary, "runs": results}, indent=2))
+    else:
+        print(f"\nsqla-jobs bench on {url.get_backend_name()}: {args.jobs} jobs, {args.processes} process(es) x "
+              f"{args.concurrency} threads, batch {args.batch_size}, median of {args.runs} run(s)")
+        for name, value in summary.items():
+            print(f"  {name:<45} {value:>12,.2f}")
+    return 0
+
+
+def vars_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: v for k, v in vars(args).items() if k not in ("func", "url")}
