@@ -17,7 +17,10 @@ import importlib
 import json
 import logging
 import os
+import signal
+import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -96,8 +99,14 @@ class ConnectionProblem(SqlaJobsError):
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    if args.processes < 1:
+        raise ConfigError("--processes must be at least 1")
     queue = load_app(args.app)
     engine = make_engine(args.url)
+    if args.processes > 1:
+        engine.dispose()
+        queue.check_schema(engine)
+        return supervise(args)
     worker = Worker(
         engine,
         queue,
@@ -110,6 +119,54 @@ def cmd_worker(args: argparse.Namespace) -> int:
         listen=not args.no_listen,
     )
     return worker.run(burst=args.burst)
+
+
+def supervise(args: argparse.Namespace) -> int:
+    """Run ``--processes`` worker processes; forward SIGTERM/SIGINT; restart any that crash.
+
+    Each child is ``sqla-jobs worker`` with the same options and one process,
+    so each has its own GIL, connections and LISTEN. A child that dies
+    (a poison job that kills its process, an OOM kill) is started again after a
+    pause; its running jobs come back when their leases expire.
+    """
+    argv = list(args.argv)
+    if "--processes" in argv:
+        i = argv.index("--processes")
+        del argv[i : i + 2]
+    argv = [a for a in argv if not a.startswith("--processes=")]
+    command = [sys.executable, "-m", "sqla_jobs.cli", *argv]
+    stopping = False
+
+    def forward(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signum)
+
+    children = [subprocess.Popen(command) for _ in range(args.processes)]
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    log.info("supervising %d worker processes: %s", len(children), ", ".join(str(c.pid) for c in children))
+    status = 0
+    try:
+        while any(child.poll() is None for child in children) or not (stopping or args.burst):
+            time.sleep(0.2)
+            for i, child in enumerate(children):
+                code = child.poll()
+                if code is None or stopping or (args.burst and code == 0):
+                    continue
+                if code == 2:  # bad configuration: another start would fail the same way
+                    log.error("worker process %d failed to start; stopping the others", child.pid)
+                    forward(signal.SIGTERM, None)
+                    continue
+                log.warning("worker process %d exited with %s; starting another in 1 s", child.pid, code)
+                time.sleep(1.0)
+                children[i] = subprocess.Popen(command)
+        status = max((child.returncode or 0) for child in children)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return status
 
 
 def cmd_create_tables(args: argparse.Namespace) -> int:
@@ -200,6 +257,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls when idle")
     p.add_argument("--grace", type=float, default=30.0, help="seconds running jobs get to finish on SIGTERM")
     p.add_argument("--no-listen", action="store_true", help="poll only (e.g. behind PgBouncer)")
+    p.add_argument("--processes", type=int, default=1,
+                   help="worker processes, each with --concurrency threads (default 1)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("create-tables", help="create the job tables (for apps without alembic)")
@@ -242,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
