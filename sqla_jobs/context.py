@@ -40,13 +40,24 @@ class JobContext:
     payload: dict[str, Any]
     worker: str
     session: Session | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
+    _cancelled: threading.Event | None = field(default=None, repr=False)
+
+    @property
+    def cancelled(self) -> threading.Event:
+        """Set when the worker has given up on this run (timeout, lost lease, shutdown)."""
+        # Made on first use: most handlers never look, and an Event per job costs.
+        if self._cancelled is None:
+            with _event_lock:  # the worker and the handler may both ask first
+                if self._cancelled is None:
+                    self._cancelled = threading.Event()
+        return self._cancelled
 
     @property
     def last_attempt(self) -> bool:
         return self.attempt >= self.max_attempts
 
 
+_event_lock = threading.Lock()
 _current: ContextVar[JobContext | None] = ContextVar("sqla_jobs_current_job", default=None)
 
 

@@ -53,12 +53,12 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, BigInteger, DateTime, Index, Integer, String, Text, event, text
+from sqlalchemy import DDL, JSON, BigInteger, DateTime, Index, Integer, String, Text, event, text
 from sqlalchemy.dialects.postgresql import JSONB
-from sqlalchemy.orm import Mapped, Mapper, Session, declared_attr, mapped_column, validates
+from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 
 from .errors import InvalidJob
-from .sql import notify
+from .sql import notify_trigger_ddl
 
 __all__ = ["MAX_PAYLOAD_BYTES", "STATES", "DeadJobMixin", "JobMixin"]
 
@@ -315,17 +315,14 @@ def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> N
         queue._check_kind_known(target.kind)
 
 
-@event.listens_for(Session, "after_flush")
-def _notify_workers(session: Session, flush_context: Any) -> None:
-    """On PostgreSQL, queue a NOTIFY for each jobs table this flush inserted into.
+@event.listens_for(JobMixin, "instrument_class", propagate=True)
+def _add_notify_trigger(mapper: Mapper[Any], cls: type[JobMixin]) -> None:
+    """Create the wake-up trigger with the table, on PostgreSQL (see ``sql.notify_trigger_ddl``).
 
-    PostgreSQL delivers it when the transaction commits (and drops it on
-    rollback), so an idle worker wakes within milliseconds of the commit.
-    Workers also poll, so nothing depends on a notification arriving.
+    ``create_all`` and ``sqla-jobs create-tables`` create it; the rendered
+    alembic revision creates it too. Without it workers still find new jobs
+    by polling, only later.
     """
-    tables = {type(obj).__table__ for obj in session.new if isinstance(obj, JobMixin)}  # type: ignore[attr-defined]
-    if not tables:
-        return
-    conn = session.connection()
-    for table in tables:
-        notify(conn, table)
+    table = cls.__table__  # type: ignore[attr-defined]
+    create, _drop = notify_trigger_ddl(table)
+    event.listen(table, "after_create", DDL(create).execute_if(dialect="postgresql"))

@@ -146,6 +146,12 @@ class Worker:
         """Process jobs until stopped (or, with ``burst``, until no job is due). Returns 0."""
         self.queue.check_schema(self.engine)
         self.sql.prepare(self.engine)
+        if self.listen:
+            with self.engine.connect() as conn:
+                if not self.sql.has_notify_trigger(conn):
+                    log.warning("worker %s: table %s has no NOTIFY trigger, so new jobs are found by polling "
+                                "every %gs; add it with `sqla-jobs migrations render` or `create-tables`",
+                                self.name, self.sql.jobs.fullname, self.poll_interval)
         threads = [threading.Thread(target=self._thread_main, daemon=True) for _ in range(self.concurrency)]
         for thread in threads:
             thread.start()
@@ -265,13 +271,23 @@ class Worker:
         return [run for run in self._running.values() if not run.abandoned]
 
     def _exchange(self, write: bool, claim: bool) -> int:
-        """One round trip: write finished runs (if ``write``) and claim jobs for free threads (if ``claim``).
+        """Write outcomes (if ``write``) and claim jobs for free threads (if ``claim``).
 
-        Returns how many jobs were claimed. Other outcomes (failures, snoozes)
-        are written afterwards, one statement each: they are the rare case.
+        Failures, snoozes and cancels are written first, one statement each
+        (the rare case), so a retry that is due at once can be claimed in this
+        same turn. Successes and the claim then share one round trip.
+        Returns how many jobs were claimed.
         """
-        pending = [o for o in self._unwritten if not o.written] if write else []
-        ok = [o for o in pending if o.result == "ok"]
+        ok: list[_Outcome] = []
+        if write:
+            for outcome in self._unwritten:
+                if outcome.written:
+                    continue
+                if outcome.result == "ok":
+                    ok.append(outcome)
+                else:
+                    self._write_one(outcome)
+                    outcome.written = True
         limit = min(self.concurrency - len(self._running), self.batch_size) if claim else 0
         jobs: list[Claimed] = []
         if ok or limit > 0:
@@ -283,6 +299,9 @@ class Worker:
             for o in ok:
                 o.written = True
                 self._report(o, "finished" if o.job.id in kept else "lost")
+        if write:
+            self._unwritten = []
+            self._unwritten_since = None
         now = time.monotonic()
         for job in jobs:
             handler = self.queue.handlers.get(job.kind)
@@ -290,13 +309,6 @@ class Worker:
             ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.name)
             self._running[job.fence] = _Run(job, ctx, now, now + timeout if timeout else None)
             self._todo.put(job)
-        if write:
-            for outcome in pending:
-                if not outcome.written:
-                    self._write_one(outcome)
-                    outcome.written = True
-            self._unwritten = []
-            self._unwritten_since = None
         return len(jobs)
 
     def _collect(self) -> None:
