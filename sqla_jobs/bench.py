@@ -17,7 +17,7 @@ measures, each ``--runs`` times, reporting the median:
   jobs divided by the time from that commit until the last one is finished;
 * pickup latency with an idle worker: from the commit of one job to its handler
   starting, over ``--latency-samples`` jobs (p50 / p95 / p99);
-* peak RSS of the worker processes.
+* the worker processes' memory: RSS when idle, after the drain, and peak.
 
 ``--finished-rows N`` first fills the table with N finished jobs, to see how
 the drain rate holds up before pruning. ``--json`` prints machine-readable results.
@@ -29,7 +29,6 @@ import argparse
 import json
 import multiprocessing as mp
 import os
-import resource
 import statistics
 import tempfile
 import threading
@@ -182,7 +181,22 @@ def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int) -> Non
     worker.run()
 
 
-def drain(url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int) -> float:
+def _rss_mb(pid: int | None, field: str = "VmRSS") -> float:
+    """Resident memory (or with ``VmHWM``, its peak) of a process in MB; 0 where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            for line in status:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def drain(
+    url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int
+) -> tuple[float, float, float, float]:
+    """Jobs/s, and the workers' largest RSS (MB): idle before, after, and peak during the drain."""
     ctx = mp.get_context("spawn")
     readies = [ctx.Event() for _ in range(processes)]
     rendered = url.render_as_string(hide_password=False)
@@ -192,17 +206,21 @@ def drain(url: URL, engine: Engine, n: int, concurrency: int, processes: int, ba
     for r in readies:
         r.wait(60)
     time.sleep(0.5)  # let them reach their idle wait
+    idle_rss = max(_rss_mb(p.pid) for p in procs)
     with Session(engine) as session, session.begin():
         queue.enqueue_many(session, ({"kind": "noop", "payload": {}} for _ in range(n)))
     start = time.perf_counter()
     while _count_finished(engine) < n:
         time.sleep(0.02)
     elapsed = time.perf_counter() - start
+    time.sleep(0.2)
+    after_rss = max(_rss_mb(p.pid) for p in procs)
+    peak_rss = max(_rss_mb(p.pid, "VmHWM") for p in procs)
     for p in procs:
         p.terminate()  # SIGTERM: graceful, nothing is running by now
     for p in procs:
         p.join(30)
-    return n / elapsed
+    return n / elapsed, idle_rss, after_rss, peak_rss
 
 
 def pickup_latency(engine: Engine, samples: int) -> list[float]:
@@ -254,9 +272,14 @@ def run_bench(args: argparse.Namespace, make_engine: Callable[[str], Engine]) ->
             if args.finished_rows:
                 _fill_finished(engine, args.finished_rows)
             finished_before = _count_finished(engine)
-            rate = drain(bench_url, engine, args.jobs, args.concurrency, args.processes, args.batch_size)
+            rate, idle_rss, after_rss, peak_rss = drain(
+                bench_url, engine, args.jobs, args.concurrency, args.processes, args.batch_size
+            )
             assert _count_finished(engine) - finished_before == args.jobs
             record("drain (jobs/s)", rate)
+            record("worker RSS idle (MB)", idle_rss)
+            record("worker RSS after drain (MB)", after_rss)
+            record("worker peak RSS (MB)", peak_rss)
             if not args.finished_rows:
                 _reset(engine)
                 lat = pickup_latency(engine, args.latency_samples)
@@ -265,9 +288,7 @@ def run_bench(args: argparse.Namespace, make_engine: Callable[[str], Engine]) ->
                 record("pickup p99 (ms)", _pct(lat, 99))
             print(f"run {run + 1}/{args.runs} done", flush=True)
         engine.dispose()
-    rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
     summary = {name: statistics.median(values) for name, values in results.items()}
-    summary["worker peak RSS (MB)"] = rss_mb
     summary["one-per-transaction vs raw SQL"] = (
         summary["enqueue one per transaction (jobs/s)"] / summary["raw SQL insert one per transaction (jobs/s)"]
     )
