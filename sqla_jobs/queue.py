@@ -154,6 +154,10 @@ class JobQueue(Generic[J, D]):
 
         return register
 
+    def listens(self, event: str) -> bool:
+        """Whether any hook is registered for ``event`` (lets the worker skip building events)."""
+        return bool(self._hooks[event])
+
     def emit(self, event: JobEvent) -> None:
         for hook in self._hooks[event.name]:
             try:

@@ -61,6 +61,16 @@ __all__ = ["Worker"]
 log = logging.getLogger("sqla_jobs.worker")
 
 
+_DETAIL = {
+    "finished": "finished",
+    "failed": "failed, retry in {o.delay:.0f}s: {o.error}",
+    "dead_letter": "failed for good, moved to dead letters: {o.error}",
+    "cancelled": "cancelled: {o.error}",
+    "snoozed": "snoozed for {o.delay:g}s",
+    "lost": "claim lost (lease expired or job taken over): result discarded",
+}
+
+
 class _ClaimLost(Exception):
     """The job's row was no longer ours when its transactional handler tried to finish it."""
 
@@ -368,19 +378,13 @@ class Worker:
     def _report(self, o: _Outcome, name: str) -> None:
         job = o.job
         self.processed += 1
-        detail = {
-            "finished": "finished",
-            "failed": f"failed, retry in {o.delay:.0f}s: {o.error}",
-            "dead_letter": f"failed for good, moved to dead letters: {o.error}",
-            "cancelled": f"cancelled: {o.error}",
-            "snoozed": f"snoozed for {o.delay:g}s",
-            "lost": "claim lost (lease expired or job taken over): result discarded",
-        }[name]
         level = logging.WARNING if name in ("dead_letter", "lost") else logging.INFO
-        log.log(level, "job %d %s attempt %d/%d (%.1f ms): %s",
-                job.id, job.kind, job.attempt, job.max_attempts, o.duration * 1000, detail)
-        self.queue.emit(JobEvent(name, job.id, job.kind, job.queue, job.attempt, job.max_attempts,
-                                 o.duration, o.error or None))
+        if log.isEnabledFor(level):  # this runs per job: format only what is printed
+            log.log(level, "job %d %s attempt %d/%d (%.1f ms): %s", job.id, job.kind, job.attempt,
+                    job.max_attempts, o.duration * 1000, _DETAIL[name].format(o=o))
+        if self.queue.listens(name):
+            self.queue.emit(JobEvent(name, job.id, job.kind, job.queue, job.attempt, job.max_attempts,
+                                     o.duration, o.error or None))
 
     def _heartbeat_and_reap(self) -> None:
         held = [run.job.fence for run in self._live()] + [o.job.fence for o in self._unwritten]
@@ -461,7 +465,8 @@ class Worker:
 
         if handler is None:
             return outcome("error", f"UnknownKind: {self.queue.unknown_kind_message(job.kind)}")
-        self.queue.emit(JobEvent("started", job.id, job.kind, job.queue, job.attempt, job.max_attempts))
+        if self.queue.listens("started"):
+            self.queue.emit(JobEvent("started", job.id, job.kind, job.queue, job.attempt, job.max_attempts))
         token = _current.set(ctx)
         try:
             if handler.transactional:
