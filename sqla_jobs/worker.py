@@ -137,6 +137,8 @@ class Worker:
         self._todo: stdlib_queue.SimpleQueue[Claimed | None] = stdlib_queue.SimpleQueue()
         self._done: stdlib_queue.SimpleQueue[tuple[_Run, _Outcome]] = stdlib_queue.SimpleQueue()
         self._running: dict[Fence, _Run] = {}
+        self._abandoned = 0  # how many of _running were given up on
+        self._timed = 0  # how many of _running have a timeout to watch
         self._unwritten: list[_Outcome] = []
         self._unwritten_since: float | None = None  # when the oldest unwritten outcome arrived
         self._stopping = False
@@ -219,12 +221,12 @@ class Worker:
                     if claimed and len(self._running) < self.concurrency:
                         continue  # the table may hold more: claim again without sleeping
             if self._stopping:
-                if not self._live() and not self._unwritten:
+                if not self._live_count and not self._unwritten:
                     return
                 if grace_ends is not None and time.monotonic() >= grace_ends:
                     self._give_back()
                     return
-            elif burst and not self._live() and not self._unwritten and self._done.empty() and db_failures == 0:
+            elif burst and not self._live_count and not self._unwritten and self._done.empty() and db_failures == 0:
                 return
             timeout = min(self.poll_interval, max(0.0, next_heartbeat - time.monotonic()))
             if self._unwritten_since is not None:
@@ -267,7 +269,7 @@ class Worker:
             self._stopping
             or len(self._unwritten) >= self.batch_size
             or now - self._unwritten_since >= self.flush_interval
-            or not self._live()  # every running job is done
+            or not self._live_count  # every running job is done
         )
 
     def _should_claim(self) -> bool:
@@ -275,7 +277,7 @@ class Worker:
         if self._stopping:
             return False
         free = self.concurrency - len(self._running)
-        return free > 0 and (free * 2 >= self.concurrency or not self._live())
+        return free > 0 and (free * 2 >= self.concurrency or not self._live_count)
 
     def _live(self) -> list[_Run]:
         return [run for run in self._running.values() if not run.abandoned]
@@ -318,6 +320,8 @@ class Worker:
             timeout = handler.timeout if handler else None
             ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.name)
             self._running[job.fence] = _Run(job, ctx, now, now + timeout if timeout else None)
+            if timeout:
+                self._timed += 1
             self._todo.put(job)
         return len(jobs)
 
@@ -329,7 +333,10 @@ class Worker:
             except stdlib_queue.Empty:
                 return
             self._running.pop(run.job.fence, None)
+            if run.deadline is not None:
+                self._timed -= 1
             if run.abandoned:
+                self._abandoned -= 1
                 log.warning("job %d %s: handler returned after its run was abandoned; result (%s) discarded",
                             run.job.id, run.job.kind, outcome.result)
                 continue
@@ -340,11 +347,24 @@ class Worker:
             self._unwritten_since = time.monotonic()
         self._unwritten.append(outcome)
 
+    @property
+    def _live_count(self) -> int:
+        """Runs whose result still counts (checked several times per job, so not a list)."""
+        return len(self._running) - self._abandoned
+
+    def _abandon(self, run: _Run) -> None:
+        """Give up on a run: its thread may go on, but its result will be discarded."""
+        if not run.abandoned:
+            run.abandoned = True
+            self._abandoned += 1
+            run.ctx.cancelled.set()
+
     def _check_timeouts(self, now: float) -> None:
+        if not self._timed:
+            return
         for run in self._live():
             if run.deadline is not None and now > run.deadline:
-                run.abandoned = True
-                run.ctx.cancelled.set()
+                self._abandon(run)
                 timeout = run.deadline - run.started
                 self._add_unwritten(_Outcome(run.job, "error", now - run.started,
                                                 f"TimeoutError: handler ran past its {timeout:g}s timeout"))
@@ -394,8 +414,7 @@ class Worker:
             for fence in set(held) - kept:
                 run = self._running.get(fence)
                 if run is not None and not run.abandoned:
-                    run.abandoned = True
-                    run.ctx.cancelled.set()
+                    self._abandon(run)
                     log.warning("job %d %s: lease lost while running; its result will be discarded",
                                 run.job.id, run.job.kind)
         self._reap()
@@ -432,8 +451,7 @@ class Worker:
             log.warning("worker %s: could not give jobs back (%s); their leases will expire",
                         self.name, str(exc).splitlines()[0])
         for run in live:
-            run.abandoned = True
-            run.ctx.cancelled.set()
+            self._abandon(run)
 
     # -- handler threads ------------------------------------------------------------
 
@@ -446,12 +464,15 @@ class Worker:
                     loop.close()
                 return
             run = self._running.get(job.fence)
-            if run is None:  # given back before it started
+            if run is None:
                 continue
-            handler = self.queue.handlers.get(job.kind)
-            if handler is not None and handler.is_async and loop is None:
-                loop = asyncio.new_event_loop()
-            outcome = self._execute(run, loop)
+            if run.abandoned:  # given back (shutdown) before it started: it must not start now
+                outcome = _Outcome(job, "lost", 0.0)
+            else:
+                handler = self.queue.handlers.get(job.kind)
+                if handler is not None and handler.is_async and loop is None:
+                    loop = asyncio.new_event_loop()
+                outcome = self._execute(run, loop)
             self._done.put((run, outcome))
             self._wake.set()
 
