@@ -138,6 +138,8 @@ class Worker:
         self._done: stdlib_queue.SimpleQueue[tuple[_Run, _Outcome]] = stdlib_queue.SimpleQueue()
         self._running: dict[Fence, _Run] = {}
         self._abandoned = 0  # how many of _running were given up on
+        self._token_base = uuid.uuid4().hex[:16]
+        self._claims = 0
         self._timed = 0  # how many of _running have a timeout to watch
         self._unwritten: list[_Outcome] = []
         self._unwritten_since: float | None = None  # when the oldest unwritten outcome arrived
@@ -303,7 +305,8 @@ class Worker:
         limit = min(self.concurrency - len(self._running), self.batch_size) if claim else 0
         jobs: list[Claimed] = []
         if ok or limit > 0:
-            token = uuid.uuid4().hex
+            self._claims += 1
+            token = f"{self._token_base}{self._claims:x}"  # unique per claim; hex, so no ':' or ','
             with self._hot() as conn:
                 kept, jobs = self.sql.finish_and_claim(
                     conn, [o.job.fence for o in ok], max(limit, 0), self.name, token, self.lease, self.queues
