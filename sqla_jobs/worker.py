@@ -99,6 +99,7 @@ class Worker:
         batch_size: int = 100,
         listen: bool = True,
         name: str | None = None,
+        prune_after: float | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigError("concurrency must be at least 1")
@@ -118,6 +119,11 @@ class Worker:
         self.batch_size = batch_size
         self.listen = listen and self.sql.postgres and engine.dialect.driver == "psycopg"
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        if prune_after is not None and prune_after < 0:
+            raise ConfigError("prune_after must be >= 0 seconds (or None to keep finished jobs)")
+        #: Delete finished/cancelled jobs older than this many seconds (see _maybe_prune).
+        self.prune_after = prune_after
+        self._next_prune = 0.0
 
         self._wake = threading.Event()
         self._todo: stdlib_queue.SimpleQueue[Claimed | None] = stdlib_queue.SimpleQueue()
@@ -180,6 +186,7 @@ class Worker:
                     if now >= next_heartbeat:
                         self._heartbeat_and_reap()
                         next_heartbeat = now + self.heartbeat
+                    self._maybe_prune(now)
                     claimed = 0
                     if not self._stopping:
                         claimed = self._claim()
@@ -334,12 +341,27 @@ class Worker:
                     self.sql.dead_letter(conn, fence, error)
                     log.warning("job %d %s attempt %d/%d: worker lost on the last attempt, moved to dead letters",
                                 row.id, row.kind, row.attempts, row.max_attempts)
-                    self.queue.emit(JobEvent("dead_letter", row.id, row.kind, "", row.attempts, row.max_attempts,
+                    self.queue.emit(JobEvent("dead_letter", row.id, row.kind, row.queue, row.attempts, row.max_attempts,
                                              None, error))
                 else:
                     self.sql.release(conn, fence, error=error, attempt=row.attempts)
                     log.warning("job %d %s attempt %d/%d: worker lost, job handed back to the queue",
                                 row.id, row.kind, row.attempts, row.max_attempts)
+                    # A lost run is a failed attempt: hooks and metrics count it like one.
+                    self.queue.emit(JobEvent("failed", row.id, row.kind, row.queue, row.attempts, row.max_attempts,
+                                             None, error))
+
+    def _maybe_prune(self, now: float) -> None:
+        """With ``prune_after``: delete one batch of old finished jobs per turn, at most once a minute
+        unless the last batch was full. One worker at a time (advisory lock on PostgreSQL,
+        the write lock on SQLite); a batch is small, so heartbeats are never held up for long."""
+        if self.prune_after is None or now < self._next_prune:
+            return
+        batch = 1000
+        deleted = self.queue.prune(self.engine, older_than=self.prune_after, batch_size=batch, max_batches=1)
+        if deleted:
+            log.info("worker %s: pruned %d finished job(s) older than %gs", self.name, deleted, self.prune_after)
+        self._next_prune = now + (1.0 if deleted >= batch else 60.0)
 
     def _give_back(self) -> None:
         """Grace is over: return unfinished jobs to the queue so they run again promptly."""
