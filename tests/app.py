@@ -145,3 +145,11 @@ def cancel(payload: dict[str, Any]) -> None:
 @queue.handler("async_noop")
 async def async_noop(payload: dict[str, Any]) -> None:
     record("finish")
+
+
+@queue.handler("slow_fail")
+def slow_fail(payload: dict[str, Any]) -> None:
+    """Runs for ``seconds`` (recording its start), then fails: for cancelling a running job."""
+    record("start")
+    time.sleep(payload.get("seconds", 1.0))
+    raise RuntimeError("slow failure")
