@@ -47,7 +47,7 @@ from sqlalchemy import Engine
 
 from .errors import ConfigError
 from .queue import JobEvent, JobQueue
-from .stats import QueueStats
+from .stats import QueueLength, QueueStats
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
@@ -113,8 +113,18 @@ class QueueMetrics:
             queue.on(event)(self._on_event)
         self._lock = threading.Lock()
         self._cached: tuple[float, QueueStats | None] = (-1e9, None)
+        self._collectors: list[Collector] = []
         if engine is not None:
-            self.registry.register(_TableCollector(self, namespace))
+            self._collectors.append(_TableCollector(self, namespace))
+            self.registry.register(self._collectors[0])
+
+    def detach(self) -> None:
+        """Stop counting this queue's events and drop the collectors from the registry."""
+        for event in _COUNTED:
+            self.queue.off(event, self._on_event)
+        for collector in (*self._counters.values(), self.run_seconds, *self._collectors):
+            self.registry.unregister(collector)
+        self._collectors = []
 
     def _on_event(self, event: JobEvent) -> None:
         for name in _COUNTED[event.name]:
@@ -147,6 +157,10 @@ class _TableCollector(Collector):
     def __init__(self, metrics: QueueMetrics, namespace: str) -> None:
         self.metrics = metrics
         self.prefix = f"{namespace}_"
+        # A queue that empties (or a kind whose dead jobs are purged) keeps reporting 0
+        # rather than vanishing, so graphs drop to zero and alerts see the recovery.
+        self.seen_queues: set[str] = {"default"}
+        self.seen_dead_kinds: set[str] = set()
 
     def describe(self) -> list[Any]:
         return []  # the families depend on the data; don't query the database at registration
@@ -160,15 +174,20 @@ class _TableCollector(Collector):
         age = GaugeMetricFamily(f"{self.prefix}oldest_pending_age_seconds",
                                 "Seconds the oldest due (ready) job has waited, by queue; 0 when none is due.",
                                 labels=["queue"])
-        for q in stats.queues:
-            length.add_metric([q.queue, "ready"], q.ready)
-            length.add_metric([q.queue, "scheduled"], q.scheduled)
-            length.add_metric([q.queue, "running"], q.running)
-            age.add_metric([q.queue], q.oldest_pending_age or 0.0)
+        queues = {q.queue: q for q in stats.queues}
+        self.seen_queues.update(queues)
+        for name in sorted(self.seen_queues):
+            q = queues.get(name, QueueLength(name))
+            length.add_metric([name, "ready"], q.ready)
+            length.add_metric([name, "scheduled"], q.scheduled)
+            length.add_metric([name, "running"], q.running)
+            age.add_metric([name], q.oldest_pending_age or 0.0)
         dead = GaugeMetricFamily(f"{self.prefix}dead_jobs", "Jobs in the dead-letter table, by kind.",
                                  labels=["kind"])
-        for d in stats.dead:
-            dead.add_metric([d.kind], d.total)
+        totals = {d.kind: d.total for d in stats.dead}
+        self.seen_dead_kinds.update(totals)
+        for kind in sorted(self.seen_dead_kinds):
+            dead.add_metric([kind], totals.get(kind, 0))
         yield length
         yield age
         yield dead

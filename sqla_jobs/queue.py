@@ -156,6 +156,11 @@ class JobQueue(Generic[J, D]):
 
         return register
 
+    def off(self, event: str, fn: Callable[[JobEvent], Any]) -> None:
+        """Remove a hook added with ``on`` (no error if it is not there)."""
+        if fn in self._hooks.get(event, []):
+            self._hooks[event].remove(fn)
+
     def emit(self, event: JobEvent) -> None:
         for hook in self._hooks[event.name]:
             try:
