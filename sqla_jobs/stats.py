@@ -185,7 +185,7 @@ def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
         ["running", str(s.running)],
         ["oldest pending age", format_duration(s.oldest_pending_age)],
         ["dead letters", f"{s.dead_total} ({sum(d.recent for d in s.dead)} in the last {window})"],
-        [f"finished (last {window})", f"{s.finished} ({s.throughput:.1f}/min)"],
+        [f"finished (last {window})", f"{s.finished} ({_rate(s.throughput)}/min)"],
     ]
     tables.append(("Queue health", ["figure", "value"], headline))
     if len(s.queues) > 1 or any(q.expired_leases for q in s.queues):
@@ -199,7 +199,7 @@ def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
         tables.append((
             f"Run time by kind (last {window})",
             ["kind", "count", "per min", "mean", "p50", "p95", "max"],
-            [[r.kind, str(r.count), f"{r.per_minute:.1f}", format_duration(r.mean), format_duration(r.p50),
+            [[r.kind, str(r.count), _rate(r.per_minute), format_duration(r.mean), format_duration(r.p50),
               format_duration(r.p95), format_duration(r.max)] for r in s.run_times],
         ))
     if s.dead:
@@ -209,3 +209,7 @@ def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
             [[d.kind, str(d.total), str(d.recent)] for d in s.dead],
         ))
     return tables
+
+
+def _rate(per_minute: float) -> str:
+    return f"{per_minute:.2f}" if per_minute < 10 else f"{per_minute:.0f}"
