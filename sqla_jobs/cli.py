@@ -118,7 +118,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from .metrics import QueueMetrics  # raises ConfigError naming the extra when it is missing
 
-        QueueMetrics(queue, engine).serve(args.metrics_port, args.metrics_addr)
+        try:
+            QueueMetrics(queue, engine).serve(args.metrics_port, args.metrics_addr)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                              f"{args.metrics_addr}:{args.metrics_port} ({exc.strerror or exc})") from None
     return worker.run(burst=args.burst)
 
 
@@ -338,6 +342,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser --------------------------------------------------------------------
 
 
+def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    def parse(raw: str) -> Any:
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {raw}")
+        return value
+
+    return parse
+
+
 def _common(p: argparse.ArgumentParser, app: bool = True) -> None:
     p.add_argument("--url", default=os.environ.get("SQLA_JOBS_URL"),
                    help="database URL (env SQLA_JOBS_URL), e.g. postgresql+psycopg://user@host/db")
@@ -379,7 +396,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--kind")
     p.add_argument("--since", metavar="AGE", help="only jobs that failed within AGE (e.g. 1h, 2d)")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=_positive(int), default=50)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_dead_list)
     p = dsub.add_parser("show", help="one dead job: payload and every error")
@@ -403,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.add_argument("--window", default="1h", metavar="AGE", help="run-time and throughput window (default 1h)")
     p.add_argument("--json", action="store_true", help="one JSON object (one per refresh with --watch)")
-    p.add_argument("--watch", type=float, nargs="?", const=2.0, default=None, metavar="SECONDS",
+    p.add_argument("--watch", type=_positive(float), nargs="?", const=2.0, default=None, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until Ctrl-C")
     p.set_defaults(func=cmd_stats)
 
@@ -414,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind")
     p.add_argument("--state", choices=STATES)
     p.add_argument("--queue")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=_positive(int), default=50)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_jobs_list)
     p = jsub.add_parser("show", help="every field of one job, its payload and error history")
@@ -434,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("prune", help="delete old finished and cancelled jobs, in small batches")
     _common(p)
     p.add_argument("--finished-older-than", required=True, metavar="AGE", help="e.g. 7d")
-    p.add_argument("--batch-size", type=int, default=1000, help="rows per transaction (default 1000)")
+    p.add_argument("--batch-size", type=_positive(int), default=1000, help="rows per transaction (default 1000)")
     p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser("health", help="exit 0 if healthy, 1 with a reason if not (for probes and cron)")

@@ -39,6 +39,7 @@ from typing import Any
 from sqlalchemy import Connection
 
 from .durations import format_duration
+from .errors import ConfigError
 from .sql import SQL
 
 __all__ = ["DeadLetters", "QueueLength", "QueueStats", "RunTime", "collect", "percentile", "stats_tables"]
@@ -128,7 +129,7 @@ def collect(sql: SQL, conn: Connection, window: float = DEFAULT_WINDOW, *, run_t
     """Read the figures in one read-only pass. ``run_times=False`` skips the window's run
     times and throughput (what a frequent Prometheus scrape needs is only the cheap counts)."""
     if window <= 0:
-        raise ValueError("window must be > 0 seconds")
+        raise ConfigError(f"the stats window must be > 0 seconds, got {window:g}")
     per_queue: dict[str, dict[str, Any]] = defaultdict(dict)
     for row in sql.pending_by_queue(conn):
         age = None if row.oldest_age is None else max(0.0, float(row.oldest_age))

@@ -28,6 +28,11 @@ On SIGTERM or SIGINT the worker stops claiming, lets running handlers finish
 for up to ``grace`` seconds, gives the rest back to the queue (the attempt is
 refunded, the job runs again promptly) and returns 0. A second signal exits
 at once; the leases cover whatever was running.
+
+With ``prune_after`` (seconds; ``--prune-finished-older-than`` on the command
+line) the control loop also deletes finished and cancelled jobs older than
+that, one small batch at a time and one worker at a time (see
+docs/howto/operations.md).
 """
 
 from __future__ import annotations

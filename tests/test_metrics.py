@@ -171,3 +171,18 @@ def test_reaper_reports_a_lost_worker_as_a_failed_attempt(db: Database) -> None:
     assert event.error is not None and event.error.startswith("WorkerLost")
     row = job_row(db, job_id)
     assert (row.state, row.attempts) == ("finished", 2)
+
+
+def test_metrics_port_in_use_is_a_one_line_error(db: Database) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "sqla_jobs.cli", "worker", *APP, "--burst", "--metrics-port", str(port),
+             "--metrics-addr", "127.0.0.1"],
+            env=db.env(), cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )
+    assert result.returncode == 2
+    assert f"--metrics-port {port}: cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr
