@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, make_url, text
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.app import Base, queue  # noqa: E402
+from tests.app import Base, queue
 
 FILL = """
 INSERT INTO jobs (kind, queue, payload, priority, state, run_at, created_at, attempts, max_attempts,

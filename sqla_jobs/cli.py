@@ -148,10 +148,12 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
     if not rows:
         print("no dead jobs" + (f" of kind {args.kind!r}" if args.kind else ""))
         return 0
-    print(f"{'id':>8}  {'kind':<24} {'attempts':>8}  {'failed at':<26} last error")
-    for r in rows:
-        error = (r.last_error or "").splitlines()[0] if r.last_error else ""
-        print(f"{r.id:>8}  {r.kind:<24} {r.attempts:>8}  {str(r.failed_at)[:26]:<26} {error[:80]}")
+    print_table(
+        f"{len(rows)} dead job(s), latest failure first",
+        ["id", "kind", "queue", "attempts", "failed at", "last error"],
+        [[str(r.id), r.kind, r.queue, str(r.attempts), str(r.failed_at)[:19], _first_line(r.last_error, 80)]
+         for r in rows],
+    )
     return 0
 
 
