@@ -28,7 +28,7 @@ from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.orm import Session
 
 from .durations import format_duration, parse_duration
-from .errors import ConfigError, NotFound, SqlaJobsError
+from .errors import ConfigError, NotFound, SchemaError, SqlaJobsError
 from .models import STATES
 from .queue import JobQueue
 from .stats import stats_tables
@@ -319,7 +319,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     try:
         queue, engine = _open(args)
         stats = queue.stats(engine, run_times=False)
-    except ConnectionProblem as exc:
+    except (ConnectionProblem, SchemaError) as exc:
         print(f"UNHEALTHY: {exc}")
         return 1
     except DBAPIError as exc:

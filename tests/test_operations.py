@@ -309,6 +309,13 @@ def test_health(db: Database) -> None:
     assert run_cli("health", *APP, "--max-oldest-age", "later", env=db.env()).returncode == 2
 
 
+def test_health_when_the_tables_are_missing(tmp_path: Any) -> None:
+    result = run_cli("health", *APP, "--max-oldest-age", "15m", "--url", f"sqlite:///{tmp_path / 'empty.db'}")
+    assert result.returncode == 1
+    assert result.stdout.startswith("UNHEALTHY: table 'jobs' does not exist")
+    assert len(result.stdout.strip().splitlines()) == 1
+
+
 def test_health_when_the_database_is_unreachable() -> None:
     result = run_cli("health", *APP, "--max-oldest-age", "15m", "--url",
                      "postgresql+psycopg://postgres@127.0.0.1:1/nowhere?connect_timeout=2")
