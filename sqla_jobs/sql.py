@@ -305,7 +305,8 @@ class SQL:
         """Running jobs whose lease ran out (their worker died or lost the database)."""
         t = self.jobs
         stmt = (
-            select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by)
+            select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by,
+                   t.c.cancelled_at)
             .where(t.c.state == "running", t.c.lease_expires_at < self.now())
             .order_by(t.c.lease_expires_at)
             .limit(limit)
@@ -530,6 +531,12 @@ class SQL:
             return True, "running"
         state = conn.execute(select(t.c.state).where(t.c.id == job_id)).scalar()
         return False, None if state is None else str(state)
+
+    def cancel_requested(self, conn: Connection, fence: Fence) -> bool:
+        """Whether someone asked to cancel this (still ours) run while it ran."""
+        t = self.jobs
+        stmt = select(t.c.cancelled_at.is_not(None)).where(self._fenced([fence]))
+        return bool(conn.execute(stmt).scalar())
 
     def retry_now(self, conn: Connection, job_id: int) -> str | None:
         """Make a pending (scheduled) job due now. Returns ``"pending"`` when done, else the

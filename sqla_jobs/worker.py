@@ -289,7 +289,11 @@ class Worker:
             self._report(o, "lost")
             return
         with self.sql.write(self.engine) as conn:
-            if o.result == "snooze":
+            if o.result in ("snooze", "error") and self.sql.cancel_requested(conn, job.fence):
+                # `jobs cancel` came while it ran: no retry, no dead letter (a rare, cold path).
+                applied = self.sql.release(conn, job.fence, error=o.error or None, attempt=job.attempt, cancel=True)
+                name = "cancelled"
+            elif o.result == "snooze":
                 applied = self.sql.release(conn, job.fence, delay=o.delay, refund=True)
                 name = "snoozed"
             elif o.result == "cancel":
@@ -342,7 +346,11 @@ class Worker:
                 error = (f"WorkerLost: worker {row.locked_by} stopped heartbeating "
                          f"(lease expired) during attempt {row.attempts}")
                 fence = (row.id, row.claim_token)
-                if row.attempts >= row.max_attempts:
+                if row.cancelled_at is not None:  # a cancel was requested: honour it, don't retry
+                    self.sql.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
+                    self.queue.emit(JobEvent("cancelled", row.id, row.kind, row.queue, row.attempts,
+                                             row.max_attempts, None, error))
+                elif row.attempts >= row.max_attempts:
                     self.sql.dead_letter(conn, fence, error)
                     log.warning("job %d %s attempt %d/%d: worker lost on the last attempt, moved to dead letters",
                                 row.id, row.kind, row.attempts, row.max_attempts)

@@ -12,6 +12,7 @@ import urllib.request
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.orm import Session
@@ -140,8 +141,10 @@ def test_missing_prometheus_client_says_what_to_install(db: Database) -> None:
     assert 'pip install "sqla-jobs[prometheus]"' in result.stderr.strip().splitlines()[-1]
 
 
-def test_reaper_reports_a_lost_worker_as_a_failed_attempt(db: Database) -> None:
-    """The run of a worker that died counts as a failed attempt for hooks (and so for metrics)."""
+@pytest.mark.parametrize("cancel", [False, True])
+def test_reaper_reports_a_lost_worker_as_a_failed_attempt(db: Database, cancel: bool) -> None:
+    """The run of a worker that died counts as a failed attempt for hooks (and so for metrics);
+    if a cancel was requested while it ran, the job ends cancelled instead of being retried."""
     job_id = enqueue(db, "sleep", payload={"seconds": 30})
     doomed = subprocess.Popen(
         [sys.executable, "-m", "sqla_jobs.cli", "worker", *APP, "--poll-interval", "0.05", "--lease", "1",
@@ -156,21 +159,25 @@ def test_reaper_reports_a_lost_worker_as_a_failed_attempt(db: Database) -> None:
     finally:
         os.kill(doomed.pid, signal.SIGKILL)
         doomed.wait(timeout=30)
+    if cancel:
+        with Session(db.engine) as session, session.begin():
+            assert queue.cancel(session, job_id) == "requested"
     time.sleep(1.5)  # the lease runs out
     seen: list[JobEvent] = []
-    queue.on("failed")(seen.append)
+    event_name = "cancelled" if cancel else "failed"
+    queue.on(event_name)(seen.append)
     try:
         with Session(db.engine) as session, session.begin():
             session.execute(queue.job_model.__table__.update().values(payload={"seconds": 0.05}))
         Worker(db.engine, queue, poll_interval=0.05).run(burst=True, install_signals=False)
     finally:
-        queue.off("failed", seen.append)
+        queue.off(event_name, seen.append)
     assert len(seen) == 1
     event = seen[0]
     assert (event.id, event.kind, event.queue, event.attempt) == (job_id, "sleep", "default", 1)
     assert event.error is not None and event.error.startswith("WorkerLost")
     row = job_row(db, job_id)
-    assert (row.state, row.attempts) == ("finished", 2)
+    assert (row.state, row.attempts) == (("cancelled", 1) if cancel else ("finished", 2))
 
 
 def test_metrics_port_in_use_is_a_one_line_error(db: Database) -> None:
