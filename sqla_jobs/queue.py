@@ -276,8 +276,9 @@ class JobQueue(Generic[J, D]):
 
         Returns ``"cancelled"`` for a pending job (it will never run) or
         ``"requested"`` for a running one: ``cancelled_at`` is recorded and
-        honoured when the run ends. A run that then fails, times out, snoozes or
-        loses its worker ends ``cancelled`` with no retry; a run that succeeds
+        honoured when the run ends. A run that then fails (even its last
+        attempt), times out, snoozes or loses its worker ends ``cancelled``, with
+        no retry or dead letter; a run that succeeds
         ends ``finished`` (its work is done and cannot be undone), and keeps
         ``cancelled_at`` as the record that the request came too late.
         Raises NotFound, or JobStateError for a finished or cancelled job.
