@@ -83,13 +83,13 @@ def _stop(proc: subprocess.Popen[str]) -> str:
     return out
 
 
-@pytest.mark.parametrize(("kind", "max_attempts", "end_state"),
-                         [("slow_fail", 5, "cancelled"), ("slow_fail", 1, "cancelled"), ("sleep", 5, "finished")])
-def test_cancel_a_running_job_is_honoured_at_its_end(db: Database, kind: str, max_attempts: int,
+@pytest.mark.parametrize(("fail", "max_attempts", "end_state"),
+                         [(True, 5, "cancelled"), (True, 1, "cancelled"), (False, 5, "finished")])
+def test_cancel_a_running_job_is_honoured_at_its_end(db: Database, fail: bool, max_attempts: int,
                                                       end_state: str) -> None:
     """A failing run ends cancelled (no retry, and no dead letter even on its last attempt);
     a run that succeeds stays finished, with cancelled_at kept."""
-    job_id = enqueue(db, kind, payload={"seconds": 1.5}, max_attempts=max_attempts)
+    job_id = enqueue(db, "await_cancel", payload={"fail": fail}, max_attempts=max_attempts)
     worker = _start_worker(db)
     try:
         _wait_for(lambda: effects(db, job_id) == ["start"])
