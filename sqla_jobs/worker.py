@@ -348,6 +348,8 @@ class Worker:
                 fence = (row.id, row.claim_token)
                 if row.cancelled_at is not None:  # a cancel was requested: honour it, don't retry
                     self.sql.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
+                    log.warning("job %d %s attempt %d/%d: worker lost after a cancel request, job cancelled",
+                                row.id, row.kind, row.attempts, row.max_attempts)
                     self.queue.emit(JobEvent("cancelled", row.id, row.kind, row.queue, row.attempts,
                                              row.max_attempts, None, error))
                 elif row.attempts >= row.max_attempts:
