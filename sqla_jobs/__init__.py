@@ -6,7 +6,16 @@ by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 
 from .backoff import Backoff
 from .context import JobContext, current_job
-from .errors import ConfigError, InvalidJob, JobCancel, JobSnooze, NotFound, SchemaError, SqlaJobsError
+from .errors import (
+    ConfigError,
+    InvalidJob,
+    JobCancel,
+    JobSnooze,
+    JobStateError,
+    NotFound,
+    SchemaError,
+    SqlaJobsError,
+)
 from .models import MAX_PAYLOAD_BYTES, DeadJobMixin, JobMixin
 from .queue import JobEvent, JobQueue
 from .sql import MAX_ERROR_LENGTH
@@ -27,6 +36,7 @@ __all__ = [
     "JobMixin",
     "JobQueue",
     "JobSnooze",
+    "JobStateError",
     "NotFound",
     "SchemaError",
     "SqlaJobsError",

@@ -29,8 +29,12 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.orm import Session
 
-from .errors import ConfigError, SqlaJobsError
+from .durations import format_duration, parse_duration
+from .errors import ConfigError, NotFound, SchemaError, SqlaJobsError
+from .models import STATES
 from .queue import JobQueue
+from .stats import stats_tables
+from .tables import print_table
 from .worker import Worker
 
 __all__ = ["main"]
@@ -117,7 +121,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         grace=args.grace,
         listen=not args.no_listen,
+        prune_after=parse_duration(args.prune_finished_older_than) if args.prune_finished_older_than else None,
     )
+    if args.metrics_port is not None:
+        from .metrics import QueueMetrics  # raises ConfigError naming the extra when it is missing
+
+        try:
+            QueueMetrics(queue, engine).serve(args.metrics_port, args.metrics_addr)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                              f"{args.metrics_addr}:{args.metrics_port} ({exc.strerror or exc})") from None
     return worker.run(burst=args.burst)
 
 
@@ -182,27 +195,26 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
     queue = load_app(args.app)
     engine = make_engine(args.url)
     queue.check_schema(engine)
-    dead = queue.dead_model
-    stmt = select(dead).order_by(dead.failed_at.desc(), dead.id.desc()).limit(args.limit)
-    if args.kind:
-        stmt = stmt.where(dead.kind == args.kind)
+    since = parse_duration(args.since) if args.since else None
     with Session(engine) as session:
-        rows = list(session.scalars(stmt))
+        rows = queue.list_dead(session, kind=args.kind, since=since, limit=args.limit)
     if args.json:
         print(json.dumps([_dead_dict(r) for r in rows], indent=2, default=str))
         return 0
     if not rows:
         print("no dead jobs" + (f" of kind {args.kind!r}" if args.kind else ""))
         return 0
-    print(f"{'id':>8}  {'kind':<24} {'attempts':>8}  {'failed at':<26} last error")
-    for r in rows:
-        error = (r.last_error or "").splitlines()[0] if r.last_error else ""
-        print(f"{r.id:>8}  {r.kind:<24} {r.attempts:>8}  {str(r.failed_at)[:26]:<26} {error[:80]}")
+    print_table(
+        f"{len(rows)} dead job(s), latest failure first",
+        ["id", "kind", "queue", "attempts", "failed at", "last error"],
+        [[str(r.id), r.kind, r.queue, str(r.attempts), str(r.failed_at)[:19], _first_line(r.last_error, 80)]
+         for r in rows],
+    )
     return 0
 
 
 def _dead_dict(r: Any) -> dict[str, Any]:
-    return {c: getattr(r, c) for c in ("id", "kind", "queue", "payload", "attempts", "max_attempts",
+    return {c: r._mapping[c] for c in ("id", "kind", "queue", "payload", "attempts", "max_attempts",
                                         "failed_at", "last_error", "errors")}
 
 
@@ -224,6 +236,167 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return run_bench(args, make_engine)
 
 
+# -- stats, jobs, dead-letter admin, prune, health (docs/howto/operations.md) ----------
+
+
+def _open(args: argparse.Namespace) -> tuple[JobQueue[Any, Any], Engine]:
+    queue = load_app(args.app)
+    engine = make_engine(args.url)
+    queue.check_schema(engine)
+    return queue, engine
+
+
+def _row_dict(row: Any) -> dict[str, Any]:
+    return dict(row._mapping)
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _first_line(text: str | None, width: int = 80) -> str:
+    return (text or "").splitlines()[0][:width] if text else ""
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    queue, engine = _open(args)
+    window = parse_duration(args.window)
+    while True:
+        stats = queue.stats(engine, window=window)
+        if args.json:
+            print(json.dumps(stats.to_dict()), flush=True)
+        else:
+            if args.watch is not None and sys.stdout.isatty():
+                print("\033[2J\033[H", end="")  # clear the screen between refreshes
+            for title, headers, rows in stats_tables(stats):
+                print_table(title, headers, rows)
+            sys.stdout.flush()
+        if args.watch is None:
+            return 0
+        time.sleep(args.watch)
+
+
+def cmd_jobs_list(args: argparse.Namespace) -> int:
+    queue, engine = _open(args)
+    with Session(engine) as session:
+        rows = queue.list_jobs(session, kind=args.kind, state=args.state, queue=args.queue, limit=args.limit)
+    if args.json:
+        _print_json([_row_dict(r) for r in rows])
+        return 0
+    if not rows:
+        print("no jobs match")
+        return 0
+    print_table(
+        f"{len(rows)} job(s), newest first",
+        ["id", "kind", "queue", "state", "attempts", "run at", "last error"],
+        [[str(r.id), r.kind, r.queue, r.state, f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
+          _first_line(r.last_error, 60)] for r in rows],
+    )
+    return 0
+
+
+def _show(row: Any, state: str, as_json: bool) -> None:
+    data = _row_dict(row)
+    data.setdefault("state", state)
+    if as_json:
+        _print_json(data)
+        return
+    errors = data.pop("errors", None) or []
+    payload = data.pop("payload", None)
+    width = max(len(k) for k in data)
+    for key, value in data.items():
+        if key == "last_error" and value and "\n" in str(value):
+            value = str(value).splitlines()[0] + " …"
+        print(f"{key:<{width}}  {'' if value is None else value}")
+    print(f"{'payload':<{width}}  {json.dumps(payload, indent=2, default=str)}")
+    print(f"errors ({len(errors)}):" if errors else "errors: none")
+    for entry in errors:
+        print(f"  attempt {entry.get('attempt')} at {entry.get('at')}: {entry.get('error')}")
+
+
+def cmd_jobs_show(args: argparse.Namespace) -> int:
+    queue, engine = _open(args)
+    with Session(engine) as session:
+        row = queue.get_job(session, args.id)
+        if row is None:
+            row = queue.get_dead(session, args.id)
+            if row is None:
+                raise NotFound(f"no job with id {args.id}")
+            _show(row, "dead", args.json)
+            return 0
+    _show(row, row.state, args.json)
+    return 0
+
+
+def cmd_jobs_cancel(args: argparse.Namespace) -> int:
+    queue, engine = _open(args)
+    with Session(engine) as session, session.begin():
+        result = queue.cancel(session, args.id)
+    if result == "cancelled":
+        print(f"job {args.id} cancelled: it will not run")
+    else:
+        print(f"job {args.id} is running: cancellation recorded; it ends cancelled unless this run succeeds")
+    return 0
+
+
+def cmd_jobs_retry(args: argparse.Namespace) -> int:
+    queue, engine = _open(args)
+    with Session(engine) as session, session.begin():
+        queue.retry_now(session, args.id)
+    print(f"job {args.id} is due now")
+    return 0
+
+
+def cmd_dead_show(args: argparse.Namespace) -> int:
+    queue, engine = _open(args)
+    with Session(engine) as session:
+        row = queue.get_dead(session, args.id)
+        if row is None:
+            alive = queue.get_job(session, args.id)
+            hint = f": it is in the jobs table ({alive.state}); see `sqla-jobs jobs show {args.id}`" if alive else ""
+            raise NotFound(f"no dead job with id {args.id}{hint}")
+    _show(row, "dead", args.json)
+    return 0
+
+
+def cmd_dead_purge(args: argparse.Namespace) -> int:
+    queue, engine = _open(args)
+    older_than = parse_duration(args.older_than)
+    with Session(engine) as session, session.begin():
+        count = queue.purge_dead(session, older_than=older_than, kind=args.kind)
+    print(f"purged {count} dead job(s) that failed more than {format_duration(older_than)} ago")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    queue, engine = _open(args)
+    older_than = parse_duration(args.finished_older_than)
+    count = queue.prune(engine, older_than=older_than, batch_size=args.batch_size)
+    print(f"pruned {count} finished or cancelled job(s) older than {format_duration(older_than)}")
+    return 0
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    limit = parse_duration(args.max_oldest_age)
+    try:
+        queue, engine = _open(args)
+        stats = queue.stats(engine, run_times=False)
+    except (ConnectionProblem, SchemaError) as exc:
+        print(f"UNHEALTHY: {exc}")
+        return 1
+    except DBAPIError as exc:
+        print(f"UNHEALTHY: database error: {str(exc.orig or exc).strip().splitlines()[0]}")
+        return 1
+    age = stats.oldest_pending_age
+    summary = f"{stats.ready} ready, {stats.scheduled} scheduled, {stats.running} running, {stats.dead_total} dead"
+    if age is not None and age > limit:
+        print(f"UNHEALTHY: the oldest pending job has waited {format_duration(age)} "
+              f"(limit {format_duration(limit)}); {summary}")
+        return 1
+    print(f"OK: oldest pending job waited {format_duration(age or 0.0)} (limit {format_duration(limit)}); {summary}")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
@@ -231,6 +404,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    def parse(raw: str) -> Any:
+        try:
+            value = kind(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {raw}")
+        return value
+
+    return parse
 
 
 def _common(p: argparse.ArgumentParser, app: bool = True) -> None:
@@ -259,6 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-listen", action="store_true", help="poll only (e.g. behind PgBouncer)")
     p.add_argument("--processes", type=int, default=1,
                    help="worker processes, each with --concurrency threads (default 1)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (needs sqla-jobs[prometheus])")
+    p.add_argument("--metrics-addr", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
+    p.add_argument("--prune-finished-older-than", metavar="AGE",
+                   help="also delete finished/cancelled jobs older than AGE (e.g. 7d); one worker at a time")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("create-tables", help="create the job tables (for apps without alembic)")
@@ -270,9 +461,20 @@ def build_parser() -> argparse.ArgumentParser:
     p = dsub.add_parser("list", help="list dead jobs, newest first")
     _common(p)
     p.add_argument("--kind")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--since", metavar="AGE", help="only jobs that failed within AGE (e.g. 1h, 2d)")
+    p.add_argument("--limit", type=_positive(int), default=50)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_dead_list)
+    p = dsub.add_parser("show", help="one dead job: payload and every error")
+    _common(p)
+    p.add_argument("id", type=int, metavar="ID")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_dead_show)
+    p = dsub.add_parser("purge", help="delete dead jobs that failed before a given age")
+    _common(p)
+    p.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 30d, 12h, 15m, 90s")
+    p.add_argument("--kind")
+    p.set_defaults(func=cmd_dead_purge)
     p = dsub.add_parser("retry", help="move dead jobs back to the queue (attempts reset)")
     _common(p)
     p.add_argument("ids", nargs="*", type=int, metavar="ID")
@@ -291,6 +493,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--finished-rows", type=int, default=0, help="pre-fill with this many finished jobs")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
+    _common(p)
+    p.add_argument("--window", default="1h", metavar="AGE", help="run-time and throughput window (default 1h)")
+    p.add_argument("--json", action="store_true", help="one JSON object (one per refresh with --watch)")
+    p.add_argument("--watch", type=_positive(float), nargs="?", const=2.0, default=None, metavar="SECONDS",
+                   help="refresh every SECONDS (default 2) until Ctrl-C")
+    p.set_defaults(func=cmd_stats)
+
+    jobs = sub.add_parser("jobs", help="list, inspect, cancel and retry jobs")
+    jsub = jobs.add_subparsers(dest="jobs_command", required=True, metavar="COMMAND")
+    p = jsub.add_parser("list", help="jobs, newest first")
+    _common(p)
+    p.add_argument("--kind")
+    p.add_argument("--state", choices=STATES)
+    p.add_argument("--queue")
+    p.add_argument("--limit", type=_positive(int), default=50)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_jobs_list)
+    p = jsub.add_parser("show", help="every field of one job, its payload and error history")
+    _common(p)
+    p.add_argument("id", type=int, metavar="ID")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_jobs_show)
+    p = jsub.add_parser("cancel", help="a pending job never runs; a running one is cancelled at its end")
+    _common(p)
+    p.add_argument("id", type=int, metavar="ID")
+    p.set_defaults(func=cmd_jobs_cancel)
+    p = jsub.add_parser("retry", help="make a pending (scheduled) job due now")
+    _common(p)
+    p.add_argument("id", type=int, metavar="ID")
+    p.set_defaults(func=cmd_jobs_retry)
+
+    p = sub.add_parser("prune", help="delete old finished and cancelled jobs, in small batches")
+    _common(p)
+    p.add_argument("--finished-older-than", required=True, metavar="AGE", help="e.g. 7d")
+    p.add_argument("--batch-size", type=_positive(int), default=1000, help="rows per transaction (default 1000)")
+    p.set_defaults(func=cmd_prune)
+
+    p = sub.add_parser("health", help="exit 0 if healthy, 1 with a reason if not (for probes and cron)")
+    _common(p)
+    p.add_argument("--max-oldest-age", required=True, metavar="AGE",
+                   help="unhealthy when a due job has waited longer (e.g. 15m)")
+    p.set_defaults(func=cmd_health)
 
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")

@@ -6,7 +6,8 @@ The tree::
     ├── InvalidJob (ValueError)   a Job was built or flushed with a bad field
     ├── ConfigError               bad --url, --app, or option; says what to change
     ├── SchemaError               the job tables are missing or out of date
-    └── NotFound (LookupError)    no job / dead job with that id
+    ├── NotFound (LookupError)    no job / dead job with that id
+    └── JobStateError             the job's state forbids it (cancel a finished job)
 
     JobSnooze                     raised by a handler: run me again later, no attempt used
     JobCancel                     raised by a handler: stop, do not retry, mark cancelled
@@ -57,3 +58,7 @@ class JobCancel(Exception):
     def __init__(self, reason: str = "cancelled by handler") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class JobStateError(SqlaJobsError):
+    """The job is not in a state that allows this (e.g. cancelling a finished job)."""

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -41,9 +42,10 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
 
 from .backoff import Backoff
-from .errors import ConfigError, InvalidJob, NotFound
-from .models import DeadJobMixin, JobMixin, check_row
+from .errors import ConfigError, InvalidJob, JobStateError, NotFound
+from .models import STATES, DeadJobMixin, JobMixin, check_row
 from .sql import SQL
+from .stats import QueueStats, collect
 
 __all__ = ["EVENTS", "Handler", "JobEvent", "JobQueue"]
 
@@ -158,6 +160,11 @@ class JobQueue(Generic[J, D]):
         """Whether any hook is registered for ``event`` (lets the worker skip building events)."""
         return bool(self._hooks[event])
 
+    def off(self, event: str, fn: Callable[[JobEvent], Any]) -> None:
+        """Remove a hook added with ``on`` (no error if it is not there)."""
+        if fn in self._hooks.get(event, []):
+            self._hooks[event].remove(fn)
+
     def emit(self, event: JobEvent) -> None:
         for hook in self._hooks[event.name]:
             try:
@@ -245,3 +252,125 @@ class JobQueue(Generic[J, D]):
             if missing:
                 raise NotFound(f"no dead job with id {', '.join(map(str, missing))}")
         return moved
+
+    # -- stats and operations (docs/howto/monitoring.md, docs/howto/operations.md) --------
+
+    def stats(
+        self, bind: Session | Engine | Connection, *, window: float = 3600.0, run_times: bool = True
+    ) -> QueueStats:
+        """Queue length, oldest pending age, dead letters and run times; see ``sqla_jobs.stats``."""
+        with _connection(bind) as conn:
+            return collect(self.sql(conn), conn, window, run_times=run_times)
+
+    def get_job(self, session: Session, job_id: int) -> Any:
+        """The job's row (all columns), or None. Reads the table, not the session's identity map."""
+        conn = session.connection()
+        return self.sql(conn).get_job(conn, job_id)
+
+    def get_dead(self, session: Session, job_id: int) -> Any:
+        """The dead job's row (all columns), or None."""
+        conn = session.connection()
+        return self.sql(conn).get_dead(conn, job_id)
+
+    def list_jobs(
+        self,
+        session: Session,
+        *,
+        kind: str | None = None,
+        state: str | None = None,
+        queue: str | None = None,
+        limit: int = 50,
+    ) -> list[Any]:
+        """Jobs newest first, filtered by kind / state / queue name."""
+        if state is not None and state not in STATES:
+            raise ConfigError(f"unknown state {state!r}; choose from {', '.join(STATES)}")
+        conn = session.connection()
+        return self.sql(conn).list_jobs(conn, kind=kind, state=state, queue=queue, limit=limit)
+
+    def list_dead(
+        self, session: Session, *, kind: str | None = None, since: float | None = None, limit: int = 50
+    ) -> list[Any]:
+        """Dead jobs, latest failure first; ``since``: only those that failed within that many seconds."""
+        conn = session.connection()
+        return self.sql(conn).list_dead(conn, kind=kind, since=since, limit=limit)
+
+    def cancel(self, session: Session, job_id: int) -> str:
+        """Cancel a job, in the caller's transaction.
+
+        Returns ``"cancelled"`` for a pending job (it will never run) or
+        ``"requested"`` for a running one: ``cancelled_at`` is recorded and
+        honoured when the run ends. A run that then fails (even its last
+        attempt), times out, snoozes or loses its worker ends ``cancelled``, with
+        no retry or dead letter; a run that succeeds
+        ends ``finished`` (its work is done and cannot be undone), and keeps
+        ``cancelled_at`` as the record that the request came too late.
+        Raises NotFound, or JobStateError for a finished or cancelled job.
+        """
+        conn = session.connection()
+        changed, state = self.sql(conn).cancel(conn, job_id)
+        if state is None:
+            raise NotFound(self._not_found(conn, job_id))
+        if not changed:
+            raise JobStateError(f"job {job_id} is {state} already: there is nothing to cancel")
+        return "cancelled" if state == "pending" else "requested"
+
+    def retry_now(self, session: Session, job_id: int) -> None:
+        """Make a pending job (a retry in backoff, a delayed job) due now, in the caller's transaction."""
+        conn = session.connection()
+        result = self.sql(conn).retry_now(conn, job_id)
+        if result is None:
+            raise NotFound(self._not_found(conn, job_id))
+        if result != "pending":
+            hint = " (it is running now)" if result == "running" else ""
+            raise JobStateError(f"job {job_id} is {result}{hint}: only a pending job can be made due now")
+
+    def purge_dead(self, session: Session, *, older_than: float, kind: str | None = None) -> int:
+        """Delete dead jobs that failed more than ``older_than`` seconds ago; returns how many."""
+        if older_than < 0:
+            raise ConfigError("older_than must be >= 0 seconds")
+        conn = session.connection()
+        return self.sql(conn).purge_dead(conn, older_than, kind)
+
+    def prune(
+        self, engine: Engine, *, older_than: float, batch_size: int = 1000, max_batches: int | None = None
+    ) -> int:
+        """Delete finished and cancelled jobs whose ``finished_at`` is older than ``older_than`` seconds.
+
+        Deletes ``batch_size`` rows per transaction, committing each, so it
+        never holds many row locks or a long transaction on a busy table; stops
+        after ``max_batches`` when given. Returns how many rows were deleted.
+        On PostgreSQL, when another process is pruning the same table it
+        returns at once (each batch takes a try-advisory lock).
+        """
+        if older_than < 0 or batch_size < 1:
+            raise ConfigError("prune needs older_than >= 0 seconds and batch_size >= 1")
+        sql = self.sql(engine)
+        deleted = batches = 0
+        while max_batches is None or batches < max_batches:
+            with sql.write(engine) as conn:
+                if not sql.prune_lock(conn):
+                    break
+                count = sql.prune_batch(conn, older_than, batch_size)
+            deleted += count
+            batches += 1
+            if count < batch_size:
+                break
+        return deleted
+
+    def _not_found(self, conn: Connection, job_id: int) -> str:
+        if self.sql(conn).get_dead(conn, job_id) is not None:
+            return f"job {job_id} is in the dead-letter table: see `sqla-jobs dead show {job_id}`"
+        return f"no job with id {job_id}"
+
+
+@contextmanager
+def _connection(bind: Session | Engine | Connection) -> Iterator[Connection]:
+    if isinstance(bind, Session):
+        yield bind.connection()
+    elif isinstance(bind, Connection):
+        yield bind
+    elif isinstance(bind, Engine):
+        with bind.connect() as conn:
+            yield conn
+    else:
+        raise ConfigError(f"expected a Session, Engine or Connection, got {type(bind).__name__}")

@@ -28,6 +28,7 @@ wake-up            ``pg_notify`` at commit             polling only
 from __future__ import annotations
 
 import json
+import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -459,7 +460,8 @@ class SQL:
         """Running jobs whose lease ran out (their worker died or lost the database)."""
         t = self.jobs
         stmt = (
-            select(t.c.id, t.c.kind, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by)
+            select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by,
+                   t.c.cancelled_at)
             .where(t.c.state == "running", t.c.lease_expires_at < self.now())
             .order_by(t.c.lease_expires_at)
             .limit(limit)
@@ -509,6 +511,235 @@ class SQL:
             ],
         )
         return sorted(r.id for r in rows)
+
+    # -- stats (sqla_jobs.stats) ---------------------------------------------------
+    # Each query is shaped to stay on one of the partial indexes, so it reads the
+    # live part of the table (pending, running, the stats window) and never the
+    # millions of finished rows that pile up before pruning.
+
+    def seconds_between(self, later: Any, earlier: Any) -> ColumnElement[float]:
+        """``later - earlier`` in seconds, as a float, computed by the database."""
+        if self.postgres:
+            return func.extract("epoch", later - earlier)
+        return (func.julianday(later) - func.julianday(earlier)) * 86400.0
+
+    def ago(self, seconds: float) -> ColumnElement[datetime]:
+        """The database clock ``seconds`` ago."""
+        return self.later(-seconds)
+
+    def pending_by_queue(self, conn: Connection) -> list[Any]:
+        """Per queue: ready and scheduled counts, and seconds since the oldest ready job became due.
+
+        Reads only ``ix_<table>_pending`` (state = 'pending').
+        """
+        t, now = self.jobs, self.now()
+        due = t.c.run_at <= now
+        stmt = (
+            select(
+                t.c.queue,
+                func.count().filter(due).label("ready"),
+                func.count().filter(~due).label("scheduled"),
+                func.min(t.c.run_at).filter(due).label("oldest_due"),
+            )
+            .where(t.c.state == "pending")
+            .group_by(t.c.queue)
+        )
+        oldest = stmt.subquery()
+        age = self.seconds_between(now, oldest.c.oldest_due)
+        return list(
+            conn.execute(
+                select(oldest.c.queue, oldest.c.ready, oldest.c.scheduled, age.label("oldest_age")).order_by(
+                    oldest.c.queue
+                )
+            )
+        )
+
+    def running_by_queue(self, conn: Connection) -> list[Any]:
+        """Per queue: running jobs and how many of them have an expired lease (``ix_<table>_running``)."""
+        t = self.jobs
+        stmt = (
+            select(
+                t.c.queue,
+                func.count().label("running"),
+                func.count().filter(t.c.lease_expires_at < self.now()).label("expired"),
+            )
+            .where(t.c.state == "running")
+            .group_by(t.c.queue)
+            .order_by(t.c.queue)
+        )
+        return list(conn.execute(stmt))
+
+    def dead_by_kind(self, conn: Connection, window: float) -> list[Any]:
+        """Per kind: dead jobs in total and those dead-lettered within ``window`` seconds."""
+        d = self.dead
+        stmt = (
+            select(
+                d.c.kind,
+                func.count().label("total"),
+                func.count().filter(d.c.failed_at >= self.ago(window)).label("recent"),
+            )
+            .group_by(d.c.kind)
+            .order_by(d.c.kind)
+        )
+        return list(conn.execute(stmt))
+
+    def run_times(self, conn: Connection, window: float) -> list[Any]:
+        """Per kind, over jobs finished within ``window`` seconds (``ix_<table>_finished``).
+
+        PostgreSQL returns count, mean, p50, p95, max per kind; SQLite has no
+        percentile function, so it returns one row per run (kind, seconds) and
+        sqla_jobs.stats computes the same figures in Python.
+        """
+        t = self.jobs
+        took = self.seconds_between(t.c.finished_at, t.c.locked_at)
+        recent = and_(
+            t.c.finished_at >= self.ago(window),
+            t.c.finished_at.is_not(None),
+            t.c.state == "finished",
+            t.c.locked_at.is_not(None),
+        )
+        if self.sqlite:
+            return list(conn.execute(select(t.c.kind, took.label("seconds")).where(recent)))
+        stmt = (
+            select(
+                t.c.kind,
+                func.count().label("count"),
+                func.avg(took).label("mean"),
+                func.percentile_cont(0.5).within_group(took).label("p50"),
+                func.percentile_cont(0.95).within_group(took).label("p95"),
+                func.max(took).label("max"),
+            )
+            .where(recent)
+            .group_by(t.c.kind)
+            .order_by(t.c.kind)
+        )
+        return list(conn.execute(stmt))
+
+    # -- operations: inspect, cancel, retry, purge, prune ---------------------------
+
+    def get_job(self, conn: Connection, job_id: int) -> Any:
+        t = self.jobs
+        return conn.execute(select(t).where(t.c.id == job_id)).first()
+
+    def get_dead(self, conn: Connection, job_id: int) -> Any:
+        d = self.dead
+        return conn.execute(select(d).where(d.c.id == job_id)).first()
+
+    def list_jobs(
+        self,
+        conn: Connection,
+        *,
+        kind: str | None = None,
+        state: str | None = None,
+        queue: str | None = None,
+        limit: int = 50,
+    ) -> list[Any]:
+        """Newest first; with ``state`` the query stays on that state's partial index where one exists."""
+        t = self.jobs
+        stmt = select(t).order_by(t.c.id.desc()).limit(limit)
+        if kind is not None:
+            stmt = stmt.where(t.c.kind == kind)
+        if state is not None:
+            stmt = stmt.where(t.c.state == state)
+        if queue is not None:
+            stmt = stmt.where(t.c.queue == queue)
+        return list(conn.execute(stmt))
+
+    def list_dead(
+        self, conn: Connection, *, kind: str | None = None, since: float | None = None, limit: int = 50
+    ) -> list[Any]:
+        """Dead jobs, most recently failed first; ``since``: failed within that many seconds."""
+        d = self.dead
+        stmt = select(d).order_by(d.c.failed_at.desc(), d.c.id.desc()).limit(limit)
+        if kind is not None:
+            stmt = stmt.where(d.c.kind == kind)
+        if since is not None:
+            stmt = stmt.where(d.c.failed_at >= self.ago(since))
+        return list(conn.execute(stmt))
+
+    def cancel(self, conn: Connection, job_id: int) -> tuple[bool, str | None]:
+        """Cancel a job. Returns (changed, the state the job had): ``(True, "pending")`` it
+        is now cancelled and will never run; ``(True, "running")`` the request is recorded in
+        ``cancelled_at`` and honoured when the run ends; ``(False, state)`` nothing changed
+        (finished, cancelled, or ``None``: no such job).
+
+        The pending case is one fenced UPDATE: on PostgreSQL a claim in flight holds
+        the row lock, this UPDATE waits for it, re-checks ``state = 'pending'`` and
+        changes nothing; the running case then applies instead.
+        """
+        t = self.jobs
+        now = self.now()
+        stmt = (
+            update(t)
+            .where(t.c.id == job_id, t.c.state == "pending")
+            .values(state="cancelled", cancelled_at=now, finished_at=now, lease_expires_at=None)
+        )
+        if conn.execute(stmt).rowcount == 1:
+            return True, "pending"
+        stmt = (
+            update(t)
+            .where(t.c.id == job_id, t.c.state == "running")
+            .values(cancelled_at=func.coalesce(t.c.cancelled_at, now))
+        )
+        if conn.execute(stmt).rowcount == 1:
+            return True, "running"
+        state = conn.execute(select(t.c.state).where(t.c.id == job_id)).scalar()
+        return False, None if state is None else str(state)
+
+    def cancel_requested(self, conn: Connection, fence: Fence) -> bool:
+        """Whether someone asked to cancel this (still ours) run while it ran."""
+        t = self.jobs
+        stmt = select(t.c.cancelled_at.is_not(None)).where(self._fenced([fence]))
+        return bool(conn.execute(stmt).scalar())
+
+    def retry_now(self, conn: Connection, job_id: int) -> str | None:
+        """Make a pending (scheduled) job due now. Returns ``"pending"`` when done, else the
+        job's state (nothing changed), or None if there is no such job."""
+        t = self.jobs
+        stmt = update(t).where(t.c.id == job_id, t.c.state == "pending").values(run_at=self.now())
+        if conn.execute(stmt).rowcount == 1:
+            notify(conn, t)
+            return "pending"
+        state = conn.execute(select(t.c.state).where(t.c.id == job_id)).scalar()
+        return None if state is None else str(state)
+
+    def purge_dead(self, conn: Connection, older_than: float, kind: str | None = None) -> int:
+        """Delete dead jobs that failed more than ``older_than`` seconds ago."""
+        d = self.dead
+        stmt = delete(d).where(d.c.failed_at < self.ago(older_than))
+        if kind is not None:
+            stmt = stmt.where(d.c.kind == kind)
+        return conn.execute(stmt).rowcount
+
+    def prune_lock(self, conn: Connection) -> bool:
+        """PostgreSQL: take this table's prune lock for the transaction, without waiting.
+
+        False means another worker is pruning right now. On SQLite the write
+        transaction (BEGIN IMMEDIATE) already lets only one process in.
+        """
+        if not self.postgres:
+            return True
+        key = zlib.crc32(f"sqla_jobs.prune.{self.jobs.fullname}".encode())
+        return bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar())
+
+    def prune_batch(self, conn: Connection, older_than: float, limit: int) -> int:
+        """Delete up to ``limit`` finished or cancelled jobs whose ``finished_at`` is older than
+        ``older_than`` seconds; the caller commits each batch so no lock is held for long."""
+        t = self.jobs
+        old = (
+            select(t.c.id)
+            .where(
+                t.c.finished_at < self.ago(older_than),
+                t.c.finished_at.is_not(None),
+                t.c.state.in_(("finished", "cancelled")),
+            )
+            .order_by(t.c.finished_at)
+            .limit(limit)
+        )
+        if self.postgres:
+            # A row another session is deleting right now is skipped, not waited for.
+            old = old.with_for_update(skip_locked=True)
+        return conn.execute(delete(t).where(t.c.id.in_(old.scalar_subquery()))).rowcount
 
 
 def _utcnow() -> str:

@@ -28,6 +28,11 @@ On SIGTERM or SIGINT the worker stops claiming, lets running handlers finish
 for up to ``grace`` seconds, gives the rest back to the queue (the attempt is
 refunded, the job runs again promptly) and returns 0. A second signal exits
 at once; the leases cover whatever was running.
+
+With ``prune_after`` (seconds; ``--prune-finished-older-than`` on the command
+line) the control loop also deletes finished and cancelled jobs older than
+that, one small batch at a time and one worker at a time (see
+docs/howto/operations.md).
 """
 
 from __future__ import annotations
@@ -112,6 +117,7 @@ class Worker:
         flush_interval: float = 0.002,
         listen: bool = True,
         name: str | None = None,
+        prune_after: float | None = None,
     ) -> None:
         if concurrency < 1:
             raise ConfigError("concurrency must be at least 1")
@@ -132,6 +138,11 @@ class Worker:
         self.flush_interval = flush_interval
         self.listen = listen and self.sql.postgres and engine.dialect.driver == "psycopg"
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        if prune_after is not None and prune_after < 0:
+            raise ConfigError("prune_after must be >= 0 seconds (or None to keep finished jobs)")
+        #: Delete finished/cancelled jobs older than this many seconds (see _maybe_prune).
+        self.prune_after = prune_after
+        self._next_prune = 0.0
 
         self._wake = threading.Event()
         self._todo: stdlib_queue.SimpleQueue[Claimed | None] = stdlib_queue.SimpleQueue()
@@ -208,6 +219,7 @@ class Worker:
                     if now >= next_heartbeat:
                         self._heartbeat_and_reap()
                         next_heartbeat = now + self.heartbeat
+                    self._maybe_prune(now)
                     claimed = self._exchange(self._should_write(now), self._should_claim())
                     if db_failures:
                         log.warning("worker %s: database is back", self.name)
@@ -380,22 +392,26 @@ class Worker:
         if o.result == "lost":
             self._report(o, "lost")
             return
-        if o.result == "error" and job.attempt >= job.max_attempts:
-            with self.sql.write(self.engine) as conn:  # two statements: one transaction
+        # The rare outcomes, in one transaction each: whether a cancel was
+        # requested while the job ran decides what the write is.
+        with self.sql.write(self.engine) as conn:
+            if o.result in ("snooze", "error") and self.sql.cancel_requested(conn, job.fence):
+                # `jobs cancel` came while it ran: no retry, no dead letter.
+                applied = self.sql.release(conn, job.fence, error=o.error or None, attempt=job.attempt, cancel=True)
+                name = "cancelled"
+            elif o.result == "snooze":
+                applied = self.sql.release(conn, job.fence, delay=o.delay, refund=True)
+                name = "snoozed"
+            elif o.result == "cancel":
+                applied = self.sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
+                name = "cancelled"
+            elif job.attempt >= job.max_attempts:
                 applied = self.sql.dead_letter(conn, job.fence, o.error)
-            name = "dead_letter"
-        else:
-            with self._hot() as conn:
-                if o.result == "snooze":
-                    applied = self.sql.release(conn, job.fence, delay=o.delay, refund=True)
-                    name = "snoozed"
-                elif o.result == "cancel":
-                    applied = self.sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
-                    name = "cancelled"
-                else:
-                    o.delay = self.queue.retry_delay(job.kind, job.attempt)
-                    applied = self.sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
-                    name = "failed"
+                name = "dead_letter"
+            else:
+                o.delay = self.queue.retry_delay(job.kind, job.attempt)
+                applied = self.sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
+                name = "failed"
         self._report(o, name if applied else "lost")
 
     def _report(self, o: _Outcome, name: str) -> None:
@@ -429,16 +445,37 @@ class Worker:
                 error = (f"WorkerLost: worker {row.locked_by} stopped heartbeating "
                          f"(lease expired) during attempt {row.attempts}")
                 fence = (row.id, row.claim_token)
-                if row.attempts >= row.max_attempts:
+                if row.cancelled_at is not None:  # a cancel was requested: honour it, don't retry
+                    self.sql.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
+                    log.warning("job %d %s attempt %d/%d: worker lost after a cancel request, job cancelled",
+                                row.id, row.kind, row.attempts, row.max_attempts)
+                    self.queue.emit(JobEvent("cancelled", row.id, row.kind, row.queue, row.attempts,
+                                             row.max_attempts, None, error))
+                elif row.attempts >= row.max_attempts:
                     self.sql.dead_letter(conn, fence, error)
                     log.warning("job %d %s attempt %d/%d: worker lost on the last attempt, moved to dead letters",
                                 row.id, row.kind, row.attempts, row.max_attempts)
-                    self.queue.emit(JobEvent("dead_letter", row.id, row.kind, "", row.attempts, row.max_attempts,
+                    self.queue.emit(JobEvent("dead_letter", row.id, row.kind, row.queue, row.attempts, row.max_attempts,
                                              None, error))
                 else:
                     self.sql.release(conn, fence, error=error, attempt=row.attempts)
                     log.warning("job %d %s attempt %d/%d: worker lost, job handed back to the queue",
                                 row.id, row.kind, row.attempts, row.max_attempts)
+                    # A lost run is a failed attempt: hooks and metrics count it like one.
+                    self.queue.emit(JobEvent("failed", row.id, row.kind, row.queue, row.attempts, row.max_attempts,
+                                             None, error))
+
+    def _maybe_prune(self, now: float) -> None:
+        """With ``prune_after``: delete one batch of old finished jobs per turn, at most once a minute
+        unless the last batch was full. One worker at a time (advisory lock on PostgreSQL,
+        the write lock on SQLite); a batch is small, so heartbeats are never held up for long."""
+        if self.prune_after is None or now < self._next_prune:
+            return
+        batch = 1000
+        deleted = self.queue.prune(self.engine, older_than=self.prune_after, batch_size=batch, max_batches=1)
+        if deleted:
+            log.info("worker %s: pruned %d finished job(s) older than %gs", self.name, deleted, self.prune_after)
+        self._next_prune = now + (1.0 if deleted >= batch else 60.0)
 
     def _give_back(self) -> None:
         """Grace is over: return unfinished jobs to the queue so they run again promptly."""

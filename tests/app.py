@@ -145,3 +145,21 @@ def cancel(payload: dict[str, Any]) -> None:
 @queue.handler("async_noop")
 async def async_noop(payload: dict[str, Any]) -> None:
     record("finish")
+
+
+@queue.handler("await_cancel")
+def await_cancel(payload: dict[str, Any]) -> None:
+    """Runs until someone requests its cancellation (at most 60 s), then fails or succeeds as
+    ``payload["fail"]`` says: cancelling a running job, without racing a timer."""
+    from sqlalchemy import select  # here, so the shared import block above stays as it is
+
+    record("start")
+    job_id = current_job().id
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        with engine().connect() as conn:
+            if conn.execute(select(Job.cancelled_at).where(Job.id == job_id)).scalar() is not None:
+                break
+        time.sleep(0.02)
+    if payload.get("fail"):
+        raise RuntimeError("failed after the cancel request")

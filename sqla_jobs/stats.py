@@ -1,0 +1,216 @@
+"""The four figures that tell whether a queue is healthy, from ``queue.stats(engine)``.
+
+::
+
+    s = queue.stats(engine)                  # or a Session / Connection
+    s.ready, s.scheduled, s.running          # queue length
+    s.oldest_pending_age                     # seconds the oldest due job has waited (None: none due)
+    s.dead_by_kind["send_email"].total       # dead letters by kind
+    s.run_time_by_kind["send_email"].p95     # run time by kind over the window (seconds)
+    s.throughput                             # jobs finished per minute over the window
+
+1. **Queue length**, split into *ready* (due now, waiting for a worker),
+   *scheduled* (``run_at`` in the future: retries in backoff, delayed jobs)
+   and *running*; also per queue name in ``s.queues``.
+2. **Oldest pending age**: how long the longest-waiting *due* job has waited,
+   counted from when it became due (``now - run_at``, database clock), so a
+   job scheduled for tomorrow does not count as late today. The most useful
+   alarm: a ready job that has waited many minutes means workers are down,
+   stuck or too few.
+3. **Dead letters by kind**: jobs that used up their attempts, in total and
+   within the window.
+4. **Run time by kind** over the window (default one hour): count, mean,
+   p50, p95 and max of ``finished_at - locked_at`` for jobs that finished in
+   it. A p95 that grows comes before timeouts and failures.
+
+Every figure comes from the database, so it is the same whichever process
+asks. The queries use the table's partial indexes (pending, running,
+finished_at) and read neither old finished rows nor payloads; see
+docs/howto/monitoring.md for the measured cost on a million-row table.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection
+
+from .durations import format_duration
+from .errors import ConfigError
+from .sql import SQL
+
+__all__ = ["DeadLetters", "QueueLength", "QueueStats", "RunTime", "collect", "percentile", "stats_tables"]
+
+DEFAULT_WINDOW = 3600.0
+
+
+@dataclass(frozen=True)
+class QueueLength:
+    """Jobs of one queue name by state; ``expired_leases`` counts running jobs whose worker looks gone."""
+
+    queue: str
+    ready: int = 0
+    scheduled: int = 0
+    running: int = 0
+    expired_leases: int = 0
+    oldest_pending_age: float | None = None
+
+
+@dataclass(frozen=True)
+class DeadLetters:
+    """Dead jobs of one kind: all of them, and those that died within the window."""
+
+    kind: str
+    total: int
+    recent: int
+
+
+@dataclass(frozen=True)
+class RunTime:
+    """Run times (seconds) of the jobs of one kind that finished within the window."""
+
+    kind: str
+    count: int
+    mean: float
+    p50: float
+    p95: float
+    max: float
+    per_minute: float
+
+
+@dataclass(frozen=True)
+class QueueStats:
+    """A snapshot of one jobs table; see the module docstring."""
+
+    window: float
+    ready: int
+    scheduled: int
+    running: int
+    oldest_pending_age: float | None
+    finished: int
+    throughput: float
+    queues: list[QueueLength] = field(default_factory=list)
+    dead: list[DeadLetters] = field(default_factory=list)
+    run_times: list[RunTime] = field(default_factory=list)
+
+    @property
+    def dead_total(self) -> int:
+        return sum(d.total for d in self.dead)
+
+    @property
+    def dead_by_kind(self) -> dict[str, DeadLetters]:
+        return {d.kind: d for d in self.dead}
+
+    @property
+    def run_time_by_kind(self) -> dict[str, RunTime]:
+        return {r.kind: r for r in self.run_times}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready data (what ``sqla-jobs stats --json`` prints)."""
+        data = asdict(self)
+        data["dead_total"] = self.dead_total
+        return data
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    """Linear interpolation between closest ranks: the same as PostgreSQL's ``percentile_cont``."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    position = fraction * (len(sorted_values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+def collect(sql: SQL, conn: Connection, window: float = DEFAULT_WINDOW, *, run_times: bool = True) -> QueueStats:
+    """Read the figures in one read-only pass. ``run_times=False`` skips the window's run
+    times and throughput (what a frequent Prometheus scrape needs is only the cheap counts)."""
+    if window <= 0:
+        raise ConfigError(f"the stats window must be > 0 seconds, got {window:g}")
+    per_queue: dict[str, dict[str, Any]] = defaultdict(dict)
+    for row in sql.pending_by_queue(conn):
+        age = None if row.oldest_age is None else max(0.0, float(row.oldest_age))
+        per_queue[row.queue].update(ready=row.ready, scheduled=row.scheduled, oldest_pending_age=age)
+    for row in sql.running_by_queue(conn):
+        per_queue[row.queue].update(running=row.running, expired_leases=row.expired)
+    queues = [QueueLength(name, **figures) for name, figures in sorted(per_queue.items())]
+    ages = [q.oldest_pending_age for q in queues if q.oldest_pending_age is not None]
+    dead = [DeadLetters(r.kind, r.total, r.recent) for r in sql.dead_by_kind(conn, window)]
+    times = _run_times(sql, conn, window) if run_times else []
+    finished = sum(r.count for r in times)
+    return QueueStats(
+        window=window,
+        ready=sum(q.ready for q in queues),
+        scheduled=sum(q.scheduled for q in queues),
+        running=sum(q.running for q in queues),
+        oldest_pending_age=max(ages) if ages else None,
+        finished=finished,
+        throughput=finished / (window / 60.0),
+        queues=queues,
+        dead=dead,
+        run_times=times,
+    )
+
+
+def _run_times(sql: SQL, conn: Connection, window: float) -> list[RunTime]:
+    minutes = window / 60.0
+    rows = sql.run_times(conn, window)
+    if sql.postgres:
+        return [
+            RunTime(r.kind, r.count, float(r.mean), float(r.p50), float(r.p95), float(r.max), r.count / minutes)
+            for r in rows
+        ]
+    by_kind: dict[str, list[float]] = defaultdict(list)
+    for r in rows:
+        by_kind[r.kind].append(max(0.0, float(r.seconds)))
+    result = []
+    for kind in sorted(by_kind):
+        values = sorted(by_kind[kind])
+        result.append(
+            RunTime(kind, len(values), sum(values) / len(values), percentile(values, 0.5),
+                    percentile(values, 0.95), values[-1], len(values) / minutes)
+        )
+    return result
+
+
+def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The snapshot as (title, headers, rows) tables, for the CLI's rich or plain output."""
+    window = format_duration(s.window)
+    tables: list[tuple[str, list[str], list[list[str]]]] = []
+    headline = [
+        ["ready", str(s.ready)],
+        ["scheduled", str(s.scheduled)],
+        ["running", str(s.running)],
+        ["oldest pending age", format_duration(s.oldest_pending_age)],
+        ["dead letters", f"{s.dead_total} ({sum(d.recent for d in s.dead)} in the last {window})"],
+        [f"finished (last {window})", f"{s.finished} ({_rate(s.throughput)}/min)"],
+    ]
+    tables.append(("Queue health", ["figure", "value"], headline))
+    if len(s.queues) > 1 or any(q.expired_leases for q in s.queues):
+        tables.append((
+            "By queue",
+            ["queue", "ready", "scheduled", "running", "expired leases", "oldest pending"],
+            [[q.queue, str(q.ready), str(q.scheduled), str(q.running), str(q.expired_leases),
+              format_duration(q.oldest_pending_age)] for q in s.queues],
+        ))
+    if s.run_times:
+        tables.append((
+            f"Run time by kind (last {window})",
+            ["kind", "count", "per min", "mean", "p50", "p95", "max"],
+            [[r.kind, str(r.count), _rate(r.per_minute), format_duration(r.mean), format_duration(r.p50),
+              format_duration(r.p95), format_duration(r.max)] for r in s.run_times],
+        ))
+    if s.dead:
+        tables.append((
+            "Dead letters by kind",
+            ["kind", "total", f"last {window}"],
+            [[d.kind, str(d.total), str(d.recent)] for d in s.dead],
+        ))
+    return tables
+
+
+def _rate(per_minute: float) -> str:
+    return f"{per_minute:.2f}" if per_minute < 10 else f"{per_minute:.0f}"
