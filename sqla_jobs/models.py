@@ -287,6 +287,8 @@ def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> N
         raise InvalidJob("Job.kind is required: the name of the handler that runs the job")
     if target.payload is None:
         target.payload = {}
+    else:  # the dict may have been changed in place since it was set (and validated)
+        check_payload(target.payload, type(target).max_payload_bytes)
     for queue in getattr(type(target), "__sqla_jobs_queues__", ()):
         queue._check_kind_known(target.kind)
 
