@@ -131,7 +131,7 @@ def test_bad_input_fails_before_commit_and_takes_the_business_rows_with_it(db: D
 
 def test_payload_changed_after_construction_is_checked_again_at_flush(db: Database) -> None:
     payload: dict[str, Any] = {"ok": 1}
-    with pytest.raises(InvalidJob, match="Job.payload"), Session(db.engine) as session, session.begin():
+    with pytest.raises(InvalidJob, match=r"Job\.payload"), Session(db.engine) as session, session.begin():
         session.add(app.Once(job_id=-1))
         session.add(app.Job(kind="noop", payload=payload))
         payload["bad"] = math.nan  # mutated in place: no attribute set, only the flush can see it
