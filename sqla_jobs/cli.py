@@ -51,12 +51,18 @@ def load_app(spec: str | None) -> JobQueue[Any, Any]:
             f"--app {spec!r}: cannot import {module_name!r} ({exc}); run from your project's directory "
             "or add it to PYTHONPATH"
         ) from None
+    except Exception as exc:  # the module itself is broken (SyntaxError, a failing import-time setting, ...)
+        raise ConfigError(
+            f"--app {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}; "
+            f"fix it, then check with: python -c 'import {module_name}'"
+        ) from None
     try:
         obj = getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"--app {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
     if not isinstance(obj, JobQueue):
-        raise ConfigError(f"--app {spec!r} is a {type(obj).__name__}, not a sqla_jobs.JobQueue")
+        what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+        raise ConfigError(f"--app {spec!r} is {what}, not a sqla_jobs.JobQueue; name your JobQueue instance")
     return obj
 
 
@@ -66,7 +72,7 @@ def make_engine(raw: str | None) -> Engine:
         raise ConfigError("no database given: pass --url (or set SQLA_JOBS_URL), e.g. sqlite:///jobs.db")
     try:
         url: URL = make_url(raw)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: e.g. a port that is not a number
         raise ConfigError(
             f"--url {raw!r} is not a database URL; expected e.g. postgresql+psycopg://user@host/db "
             "or sqlite:///path/to/jobs.db"
