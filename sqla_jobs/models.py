@@ -35,7 +35,7 @@ table (``DeadJobMixin``), from which a person can requeue it.
 Fields are checked when set and again at flush, so a bad job fails before your
 business transaction commits: ``kind`` must be a non-empty string,
 ``payload`` a JSON object that PostgreSQL's ``jsonb`` accepts (no NaN or
-infinities, no ``\\u0000``, string keys only) of at most
+infinities, no ``\\u0000`` or lone surrogates, string keys only) of at most
 ``MAX_PAYLOAD_BYTES`` once encoded, and ``max_attempts`` at least 1.
 
 If you need ``__table_args__`` of your own (a schema, extra indexes), build
@@ -103,6 +103,15 @@ def _walk(value: Any, path: str) -> None:
     if isinstance(value, str):
         if "\x00" in value:
             raise InvalidJob(f"Job.{path} contains \\u0000, which PostgreSQL jsonb rejects")
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800", e.g. from bad decoding
+                bad = value[exc.start]
+                raise InvalidJob(
+                    f"Job.{path} contains the lone surrogate {bad!r}, which is not valid Unicode and "
+                    "PostgreSQL jsonb rejects; decode your input with errors='replace'"
+                ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
@@ -128,6 +137,8 @@ def _utc(name: str, value: datetime | None) -> datetime | None:
 def _text_field(name: str, value: Any, max_length: int) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidJob(f"Job.{name} must be a non-empty string, got {value!r}")
+    if "\x00" in value:  # PostgreSQL text cannot hold NUL: it would fail at flush with a driver error
+        raise InvalidJob(f"Job.{name} contains \\u0000, which PostgreSQL text columns reject, got {value!r}")
     if len(value) > max_length:
         raise InvalidJob(f"Job.{name} is {len(value)} characters, over the limit of {max_length}")
     return value
