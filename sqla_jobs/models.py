@@ -49,6 +49,7 @@ them with ``JobMixin.table_args(...)`` so the queue's own indexes stay::
 from __future__ import annotations
 
 import json
+import math
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
@@ -86,8 +87,12 @@ def check_payload(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> None:
     try:
         encoded = json.dumps(payload, allow_nan=False, separators=(",", ":"))
     except ValueError as exc:  # NaN / inf, or a circular reference
+        if "ircular" in str(exc):
+            raise InvalidJob("Job.payload contains itself (a circular reference); JSON cannot store it") from None
+        _locate_unstorable(payload, "payload")
         raise InvalidJob(f"Job.payload is not valid JSON: {exc}; use null or a string instead") from None
     except TypeError as exc:
+        _locate_unstorable(payload, "payload")
         raise InvalidJob(f"Job.payload is not JSON-serialisable: {exc}; pass ids and plain values") from None
     if len(encoded) > limit:  # json.dumps escapes to ASCII, so characters == bytes
         raise InvalidJob(
@@ -95,6 +100,28 @@ def check_payload(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> None:
             "store large data in your own table and pass its key"
         )
     _walk(payload, "payload")
+
+
+def _locate_unstorable(value: Any, path: str) -> None:
+    """json.dumps failed: raise an InvalidJob naming the exact item, so the user need not search for it.
+
+    Only runs on that error path, so valid payloads do not pay for the extra walk.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidJob(f"Job.{path} is {value!r}; JSON has no NaN or infinity: use null or a string instead")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise InvalidJob(f"Job.{path} has the key {key!r} of type {type(key).__name__}; JSON keys are strings")
+            _locate_unstorable(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _locate_unstorable(item, f"{path}[{i}]")
+    elif not isinstance(value, (str, int, float, bool)) and value is not None:
+        raise InvalidJob(
+            f"Job.{path} is a {type(value).__name__}, which JSON cannot store; pass plain values "
+            "(str, int, float, bool, None, lists and dicts), e.g. an id or value.isoformat() for a datetime"
+        )
 
 
 def _walk(value: Any, path: str) -> None:
