@@ -88,6 +88,12 @@ def nested(value: Any) -> dict[str, Any]:
     return {"order": {"lines": [1, {"deep": value}]}}
 
 
+def circular() -> dict[str, Any]:
+    payload: dict[str, Any] = {}
+    payload["self"] = payload
+    return payload
+
+
 BAD: dict[str, tuple[Callable[[], Any], str]] = {
     "empty kind": (lambda: app.Job(kind="", payload={}), "Job.kind"),
     "whitespace kind": (lambda: app.Job(kind="   ", payload={}), "Job.kind"),
@@ -95,11 +101,16 @@ BAD: dict[str, tuple[Callable[[], Any], str]] = {
     "missing kind": (lambda: app.Job(payload={}), "Job.kind"),
     "list payload": (lambda: app.Job(kind="noop", payload=[1, 2]), "Job.payload"),
     "string payload": (lambda: app.Job(kind="noop", payload="{}"), "Job.payload"),
-    "object in payload": (lambda: app.Job(kind="noop", payload={"when": datetime.now()}), "Job.payload"),
-    "set in payload": (lambda: app.Job(kind="noop", payload={"s": {1, 2}}), "Job.payload"),
-    "NaN": (lambda: app.Job(kind="noop", payload={"x": math.nan}), "Job.payload"),
-    "+inf": (lambda: app.Job(kind="noop", payload={"x": math.inf}), "Job.payload"),
-    "-inf": (lambda: app.Job(kind="noop", payload=nested(-math.inf)), "Job.payload"),
+    "datetime in payload": (lambda: app.Job(kind="noop", payload={"when": datetime.now()}),
+                            "Job.payload['when'] is a datetime, which JSON cannot store"),
+    "set in payload": (lambda: app.Job(kind="noop", payload=nested({1, 2})),
+                       "Job.payload['order']['lines'][1]['deep'] is a set"),
+    "circular payload": (lambda: app.Job(kind="noop", payload=circular()), "circular reference"),
+    "tuple key": (lambda: app.Job(kind="noop", payload={(1, 2): "x"}), "key (1, 2) of type tuple"),
+    "NaN": (lambda: app.Job(kind="noop", payload={"x": math.nan}), "Job.payload['x'] is nan; JSON has no NaN"),
+    "+inf": (lambda: app.Job(kind="noop", payload={"x": math.inf}), "Job.payload['x'] is inf"),
+    "-inf": (lambda: app.Job(kind="noop", payload=nested(-math.inf)),
+             "Job.payload['order']['lines'][1]['deep'] is -inf"),
     "NUL in value": (lambda: app.Job(kind="noop", payload={"x": "a\u0000b"}), "\\u0000"),
     "NUL in nested value": (lambda: app.Job(kind="noop", payload=nested("\u0000")), "\\u0000"),
     "NUL in key": (lambda: app.Job(kind="noop", payload={"a\u0000": 1}), "\\u0000"),
