@@ -66,8 +66,12 @@ def load_app(spec: str | None) -> JobQueue[Any, Any]:
     return obj
 
 
-def make_engine(raw: str | None) -> Engine:
-    """An engine for ``--url``, with the driver sqla-jobs ships for PostgreSQL."""
+def make_engine(raw: str | None, pool_size: int | None = None) -> Engine:
+    """An engine for ``--url``, with the driver sqla-jobs ships for PostgreSQL.
+
+    ``pool_size``: connections the caller may hold at once (the worker: one per
+    transactional handler thread, plus the control loop's).
+    """
     if not raw:
         raise ConfigError("no database given: pass --url (or set SQLA_JOBS_URL), e.g. sqlite:///jobs.db")
     try:
@@ -82,7 +86,7 @@ def make_engine(raw: str | None) -> Engine:
     if url.get_backend_name() not in ("postgresql", "sqlite"):
         raise ConfigError(f"--url: sqla-jobs supports PostgreSQL and SQLite, not {url.get_backend_name()!r}")
     try:
-        engine = create_engine(url)
+        engine = create_engine(url, **({"pool_size": pool_size} if pool_size else {}))
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigError(f"--url {url.render_as_string()!r}: {exc}") from None
     try:
@@ -103,7 +107,11 @@ class ConnectionProblem(SqlaJobsError):
 
 def cmd_worker(args: argparse.Namespace) -> int:
     queue = load_app(args.app)
-    engine = make_engine(args.url)
+    if args.concurrency < 1:  # checked before connecting, so the message is about the option
+        raise ConfigError("--concurrency must be at least 1")
+    # Transactional handlers each hold a connection while they run: the default pool (5 + 10) is too small
+    # for a high --concurrency, and its 30 s checkout timeout would fail long jobs.
+    engine = make_engine(args.url, pool_size=args.concurrency + 2)
     worker = Worker(
         engine,
         queue,
