@@ -145,3 +145,14 @@ def cancel(payload: dict[str, Any]) -> None:
 @queue.handler("async_noop")
 async def async_noop(payload: dict[str, Any]) -> None:
     record("finish")
+
+
+_barriers: dict[int, threading.Barrier] = {}
+
+
+@queue.handler("rendezvous", transactional=True)
+def rendezvous(payload: dict[str, Any]) -> None:
+    """Waits until ``parties`` transactional handlers hold their transactions at the same time."""
+    with _lock:
+        barrier = _barriers.setdefault(payload["parties"], threading.Barrier(payload["parties"], timeout=10))
+    barrier.wait()

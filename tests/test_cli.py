@@ -203,3 +203,12 @@ def test_bad_option_value(tmp_path: Path) -> None:
     result = run_cli("worker", "--concurrency", "0", "--url", f"sqlite:///{tmp_path / 'x.db'}", *APP,
                      env=clean_env())
     assert_clean_error(result, 2, "concurrency must be at least 1")
+
+
+def test_worker_pool_fits_its_concurrency(pg: Database) -> None:
+    """20 transactional handlers hold 20 connections at once: more than SQLAlchemy's default pool of 15."""
+    app.queue.create_tables(pg.engine)
+    ids = [enqueue(pg.engine, "rendezvous", {"parties": 20}, max_attempts=1) for _ in range(20)]
+    result = run_cli("worker", "--burst", "--concurrency", "20", *APP, env=pg.env())
+    assert result.returncode == 0, result.stderr
+    assert count(pg.engine, app.Job, app.Job.id.in_(ids), app.Job.state == "finished") == 20, result.stderr
