@@ -6,7 +6,7 @@ Conventions of the docs, which this test enforces:
 * every other ```python block of a page is part of one script, run top to bottom in a fresh folder;
 * in ```sh blocks, lines starting with ``python `` or ``sqla-jobs `` are run in order, after the files
   are written; a ```text block right after such a block shows (part of) its output, and is checked;
-* ```py blocks (not ``python``) show shapes that need a server or your own app, and are not run.
+* ```py and ```shell blocks show code and commands that need a server or your own app: not run.
 
 The quickstart's files (``jobs.py``) are there for every page, as the how-tos say.
 """
