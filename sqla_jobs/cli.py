@@ -17,6 +17,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -77,8 +78,9 @@ def make_engine(raw: str | None, pool_size: int | None = None) -> Engine:
     try:
         url: URL = make_url(raw)
     except (ArgumentError, ValueError):  # ValueError: e.g. a port that is not a number
+        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", raw)  # never echo a password
         raise ConfigError(
-            f"--url {raw!r} is not a database URL; expected e.g. postgresql+psycopg://user@host/db "
+            f"--url {shown!r} is not a database URL; expected e.g. postgresql+psycopg://user@host/db "
             "or sqlite:///path/to/jobs.db"
         ) from None
     if url.drivername in ("postgresql", "postgres"):
