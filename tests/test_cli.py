@@ -192,6 +192,13 @@ def test_bad_app(spec: str, fragment: str, tmp_path: Path) -> None:
     assert_clean_error(result, 2, fragment)
 
 
+def test_password_never_shown(tmp_path: Path) -> None:
+    for url in ("postgresql+psycopg://app:s3cret@127.0.0.1:1/test", "postgresql://app:s3cret@localhost:port/db"):
+        result = run_cli("worker", "--burst", "--url", url, *APP, env=clean_env())
+        error = assert_clean_error(result, result.returncode, "app:***@")
+        assert result.returncode in (1, 2) and "s3cret" not in error
+
+
 def test_missing_url_and_app(tmp_path: Path) -> None:
     no_url = run_cli("worker", "--burst", *APP, env=clean_env())
     assert_clean_error(no_url, 2, "no database given", "--url", "SQLA_JOBS_URL")
