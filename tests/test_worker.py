@@ -276,3 +276,19 @@ def test_session_unaffected(db: Database) -> None:
         run_burst(db.engine)
         row = session.get(app.Job, job_id)
         assert row is not None and row.state == "finished"
+
+
+default_policy: JobQueue[app.Job, app.DeadJob] = JobQueue(app.Job, app.DeadJob, check_kinds=False)
+default_policy.handler("fail")(slow_fail)
+
+
+def test_default_first_retry_is_one_minute_not_two(db: Database) -> None:
+    """The seed article's code waited 2 ** attempts minutes after the claim counted the attempt: 2, not 1."""
+    job_id = enqueue(db.engine, "fail", max_attempts=5)
+    before = db_now(db.engine)
+    run_burst(db.engine, default_policy)
+    after = db_now(db.engine)
+    row = job(db.engine, job_id)
+    assert row is not None and (row.state, row.attempts) == ("pending", 1)
+    slack = timedelta(seconds=2)
+    assert before + timedelta(seconds=54) - slack <= utc(row.run_at) <= after + timedelta(seconds=66) + slack
