@@ -69,6 +69,7 @@ MAX_PAYLOAD_BYTES = 1_048_576
 MAX_KIND_LENGTH = 255
 MAX_QUEUE_LENGTH = 64
 STATES = ("pending", "running", "finished", "cancelled")
+_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # the range of the INTEGER columns on every backend
 
 # BIGSERIAL on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the rowid alias.
 _ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -176,6 +177,8 @@ def _int_field(name: str, value: Any, minimum: int | None = None) -> int:
         raise InvalidJob(f"Job.{name} must be an int, got {value!r}")
     if minimum is not None and value < minimum:
         raise InvalidJob(f"Job.{name} must be at least {minimum}, got {value}")
+    if not _INT_MIN <= value <= _INT_MAX:  # an INTEGER column: PostgreSQL would fail the flush with a DataError
+        raise InvalidJob(f"Job.{name} must fit in 32 bits ({_INT_MIN} to {_INT_MAX}), got {value}")
     return value
 
 
