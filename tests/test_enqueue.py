@@ -125,6 +125,8 @@ BAD: dict[str, tuple[Callable[[], Any], str]] = {
     "max_attempts negative": (lambda: app.Job(kind="noop", payload={}, max_attempts=-3), "Job.max_attempts"),
     "max_attempts bool": (lambda: app.Job(kind="noop", payload={}, max_attempts=True), "Job.max_attempts"),
     "max_attempts str": (lambda: app.Job(kind="noop", payload={}, max_attempts="5"), "Job.max_attempts"),
+    "priority too big": (lambda: app.Job(kind="noop", payload={}, priority=2**31), "Job.priority must fit in 32 bits"),
+    "max_attempts too big": (lambda: app.Job(kind="noop", payload={}, max_attempts=2**40), "Job.max_attempts"),
     "priority float": (lambda: app.Job(kind="noop", payload={}, priority=1.5), "Job.priority"),
     "empty queue": (lambda: app.Job(kind="noop", payload={}, queue=""), "Job.queue"),
     "run_at string": (lambda: app.Job(kind="noop", payload={}, run_at="tomorrow"), "Job.run_at"),
