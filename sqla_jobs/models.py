@@ -167,6 +167,11 @@ def _text_field(name: str, value: Any, max_length: int) -> str:
         raise InvalidJob(f"Job.{name} must be a non-empty string, got {value!r}")
     if "\x00" in value:  # PostgreSQL text cannot hold NUL: it would fail at flush with a driver error
         raise InvalidJob(f"Job.{name} contains \\u0000, which PostgreSQL text columns reject, got {value!r}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: the driver could not send it
+            raise InvalidJob(f"Job.{name} is not valid Unicode (it has a lone surrogate), got {value!r}") from None
     if len(value) > max_length:
         raise InvalidJob(f"Job.{name} is {len(value)} characters, over the limit of {max_length}")
     return value
