@@ -117,6 +117,7 @@ BAD: dict[str, tuple[Callable[[], Any], str]] = {
     "NUL in nested key": (lambda: app.Job(kind="noop", payload=nested({"k\u0000": 1})), "\\u0000"),
     "lone surrogate in value": (lambda: app.Job(kind="noop", payload=nested("caf\udce9")), "lone surrogate"),
     "lone surrogate in key": (lambda: app.Job(kind="noop", payload={"\ud800": 1}), "lone surrogate"),
+    "lone surrogate in kind": (lambda: app.Job(kind="send\udce9", payload={}), "Job.kind is not valid Unicode"),
     "NUL in kind": (lambda: app.Job(kind="send\u0000", payload={}), "Job.kind"),
     "int key": (lambda: app.Job(kind="noop", payload={1: "x"}), "non-string key"),
     "nested int key": (lambda: app.Job(kind="noop", payload=nested({2: "x"})), "non-string key"),
