@@ -235,7 +235,7 @@ def test_flaky_job_succeeds_on_a_later_attempt(db: Database) -> None:
 
 
 def test_concurrency_runs_handlers_at_the_same_time(db: Database) -> None:
-    ids = [enqueue(db.engine, "sleep", {"seconds": 0.5}) for _ in range(4)]
+    ids = [enqueue(db.engine, "sleep", {"seconds": 1.0}) for _ in range(4)]
     run_burst(db.engine, concurrency=4)
     rows = effects(db.engine)
     # Every job started before any finished: four threads ran them side by side.
