@@ -17,6 +17,7 @@ import importlib
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -58,24 +59,35 @@ def load_app(spec: str | None) -> JobQueue[Any, Any]:
             f"--app {spec!r}: cannot import {module_name!r} ({exc}); run from your project's directory "
             "or add it to PYTHONPATH"
         ) from None
+    except Exception as exc:  # the module itself is broken (SyntaxError, a failing import-time setting, ...)
+        raise ConfigError(
+            f"--app {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}; "
+            f"fix it, then check with: python -c 'import {module_name}'"
+        ) from None
     try:
         obj = getattr(module, attr)
     except AttributeError:
         raise ConfigError(f"--app {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
     if not isinstance(obj, JobQueue):
-        raise ConfigError(f"--app {spec!r} is a {type(obj).__name__}, not a sqla_jobs.JobQueue")
+        what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+        raise ConfigError(f"--app {spec!r} is {what}, not a sqla_jobs.JobQueue; name your JobQueue instance")
     return obj
 
 
-def make_engine(raw: str | None) -> Engine:
-    """An engine for ``--url``, with the driver sqla-jobs ships for PostgreSQL."""
+def make_engine(raw: str | None, pool_size: int | None = None) -> Engine:
+    """An engine for ``--url``, with the driver sqla-jobs ships for PostgreSQL.
+
+    ``pool_size``: connections the caller may hold at once (the worker: one per
+    transactional handler thread, plus the control loop's).
+    """
     if not raw:
         raise ConfigError("no database given: pass --url (or set SQLA_JOBS_URL), e.g. sqlite:///jobs.db")
     try:
         url: URL = make_url(raw)
-    except ArgumentError:
+    except (ArgumentError, ValueError):  # ValueError: e.g. a port that is not a number
+        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", raw)  # never echo a password
         raise ConfigError(
-            f"--url {raw!r} is not a database URL; expected e.g. postgresql+psycopg://user@host/db "
+            f"--url {shown!r} is not a database URL; expected e.g. postgresql+psycopg://user@host/db "
             "or sqlite:///path/to/jobs.db"
         ) from None
     if url.drivername in ("postgresql", "postgres"):
@@ -83,7 +95,7 @@ def make_engine(raw: str | None) -> Engine:
     if url.get_backend_name() not in ("postgresql", "sqlite"):
         raise ConfigError(f"--url: sqla-jobs supports PostgreSQL and SQLite, not {url.get_backend_name()!r}")
     try:
-        engine = create_engine(url)
+        engine = create_engine(url, **({"pool_size": pool_size} if pool_size else {}))
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigError(f"--url {url.render_as_string()!r}: {exc}") from None
     try:
@@ -106,7 +118,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.processes < 1:
         raise ConfigError("--processes must be at least 1")
     queue = load_app(args.app)
-    engine = make_engine(args.url)
+    if args.concurrency < 1:  # checked before connecting, so the message is about the option
+        raise ConfigError("--concurrency must be at least 1")
+    # Transactional handlers each hold a connection while they run: the default pool (5 + 10) is too small
+    # for a high --concurrency, and its 30 s checkout timeout would fail long jobs.
+    engine = make_engine(args.url, pool_size=args.concurrency + 2)
     if args.processes > 1:
         engine.dispose()
         queue.check_schema(engine)

@@ -35,7 +35,7 @@ table (``DeadJobMixin``), from which a person can requeue it.
 Fields are checked when set and again at flush, so a bad job fails before your
 business transaction commits: ``kind`` must be a non-empty string,
 ``payload`` a JSON object that PostgreSQL's ``jsonb`` accepts (no NaN or
-infinities, no ``\\u0000``, string keys only) of at most
+infinities, no ``\\u0000`` or lone surrogates, string keys only) of at most
 ``MAX_PAYLOAD_BYTES`` once encoded, and ``max_attempts`` at least 1.
 
 If you need ``__table_args__`` of your own (a schema, extra indexes), build
@@ -49,6 +49,7 @@ them with ``JobMixin.table_args(...)`` so the queue's own indexes stay::
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any, ClassVar
@@ -69,6 +70,7 @@ MAX_PAYLOAD_BYTES = 1_048_576
 MAX_KIND_LENGTH = 255
 MAX_QUEUE_LENGTH = 64
 STATES = ("pending", "running", "finished", "cancelled")
+_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # the range of the INTEGER columns on every backend
 
 # BIGSERIAL on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the rowid alias.
 _ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -91,8 +93,12 @@ def check_payload(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> str:
     try:
         encoded = json.dumps(payload, allow_nan=False, separators=(",", ":"))
     except ValueError as exc:  # NaN / inf, or a circular reference
+        if "ircular" in str(exc):
+            raise InvalidJob("Job.payload contains itself (a circular reference); JSON cannot store it") from None
+        _locate_unstorable(payload, "payload")
         raise InvalidJob(f"Job.payload is not valid JSON: {exc}; use null or a string instead") from None
     except TypeError as exc:
+        _locate_unstorable(payload, "payload")
         raise InvalidJob(f"Job.payload is not JSON-serialisable: {exc}; pass ids and plain values") from None
     if len(encoded) > limit:  # json.dumps escapes to ASCII, so characters == bytes
         raise InvalidJob(
@@ -103,12 +109,43 @@ def check_payload(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> str:
     return encoded
 
 
+def _locate_unstorable(value: Any, path: str) -> None:
+    """json.dumps failed: raise an InvalidJob naming the exact item, so the user need not search for it.
+
+    Only runs on that error path, so valid payloads do not pay for the extra walk.
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        raise InvalidJob(f"Job.{path} is {value!r}; JSON has no NaN or infinity: use null or a string instead")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int, float, bool)) and key is not None:
+                raise InvalidJob(f"Job.{path} has the key {key!r} of type {type(key).__name__}; JSON keys are strings")
+            _locate_unstorable(item, f"{path}[{key!r}]")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _locate_unstorable(item, f"{path}[{i}]")
+    elif not isinstance(value, (str, int, float, bool)) and value is not None:
+        raise InvalidJob(
+            f"Job.{path} is a {type(value).__name__}, which JSON cannot store; pass plain values "
+            "(str, int, float, bool, None, lists and dicts), e.g. an id or value.isoformat() for a datetime"
+        )
+
+
 def _walk(value: Any, path: str) -> None:
     # json.dumps would silently turn a NUL into "\u0000" (jsonb rejects it) and
     # an int key into a string (the handler would get a different payload).
     if isinstance(value, str):
         if "\x00" in value:
             raise InvalidJob(f"Job.{path} contains \\u0000, which PostgreSQL jsonb rejects")
+        if not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800", e.g. from bad decoding
+                bad = value[exc.start]
+                raise InvalidJob(
+                    f"Job.{path} contains the lone surrogate {bad!r}, which is not valid Unicode and "
+                    "PostgreSQL jsonb rejects; decode your input with errors='replace'"
+                ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
             if not isinstance(key, str):
@@ -155,6 +192,13 @@ _ROW_FIELDS = {"kind", "queue", "payload", "priority", "max_attempts", "run_at"}
 def _text_field(name: str, value: Any, max_length: int) -> str:
     if not isinstance(value, str) or not value.strip():
         raise InvalidJob(f"Job.{name} must be a non-empty string, got {value!r}")
+    if "\x00" in value:  # PostgreSQL text cannot hold NUL: it would fail at flush with a driver error
+        raise InvalidJob(f"Job.{name} contains \\u0000, which PostgreSQL text columns reject, got {value!r}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: the driver could not send it
+            raise InvalidJob(f"Job.{name} is not valid Unicode (it has a lone surrogate), got {value!r}") from None
     if len(value) > max_length:
         raise InvalidJob(f"Job.{name} is {len(value)} characters, over the limit of {max_length}")
     return value
@@ -165,6 +209,8 @@ def _int_field(name: str, value: Any, minimum: int | None = None) -> int:
         raise InvalidJob(f"Job.{name} must be an int, got {value!r}")
     if minimum is not None and value < minimum:
         raise InvalidJob(f"Job.{name} must be at least {minimum}, got {value}")
+    if not _INT_MIN <= value <= _INT_MAX:  # an INTEGER column: PostgreSQL would fail the flush with a DataError
+        raise InvalidJob(f"Job.{name} must fit in 32 bits ({_INT_MIN} to {_INT_MAX}), got {value}")
     return value
 
 
@@ -315,6 +361,8 @@ def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> N
         raise InvalidJob("Job.kind is required: the name of the handler that runs the job")
     if target.payload is None:
         target.payload = {}
+    else:  # the dict may have been changed in place since it was set (and validated)
+        check_payload(target.payload, type(target).max_payload_bytes)
     for queue in getattr(type(target), "__sqla_jobs_queues__", ()):
         queue._check_kind_known(target.kind)
 

@@ -163,3 +163,14 @@ def await_cancel(payload: dict[str, Any]) -> None:
         time.sleep(0.02)
     if payload.get("fail"):
         raise RuntimeError("failed after the cancel request")
+
+
+_barriers: dict[int, threading.Barrier] = {}
+
+
+@queue.handler("rendezvous", transactional=True)
+def rendezvous(payload: dict[str, Any]) -> None:
+    """Waits until ``parties`` transactional handlers hold their transactions at the same time."""
+    with _lock:
+        barrier = _barriers.setdefault(payload["parties"], threading.Barrier(payload["parties"], timeout=10))
+    barrier.wait()

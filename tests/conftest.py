@@ -113,7 +113,9 @@ def pg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Database]:
             app._engine = None
 
 
-def run_cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120, **kw: Any) -> subprocess.CompletedProcess[str]:
+def run_cli(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120, **kw: Any
+) -> subprocess.CompletedProcess[str]:
     """Run ``sqla-jobs ARGS`` in a subprocess, as a user would."""
     return subprocess.run(
         [sys.executable, "-m", "sqla_jobs.cli", *args],

@@ -1,0 +1,69 @@
+"""The package surface: the public names, the typing marker, lint."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from importlib import resources
+
+import sqla_jobs
+from tests.conftest import ROOT
+
+PUBLIC = [
+    "MAX_ERROR_LENGTH",
+    "MAX_PAYLOAD_BYTES",
+    "Backoff",
+    "ConfigError",
+    "DeadJobMixin",
+    "InvalidJob",
+    "JobCancel",
+    "JobContext",
+    "JobEvent",
+    "JobMixin",
+    "JobQueue",
+    "JobSnooze",
+    "NotFound",
+    "SchemaError",
+    "SqlaJobsError",
+    "Worker",
+    "current_job",
+]
+
+
+def test_public_names_are_pinned() -> None:
+    # Adding or removing a public name is an API change: update this list, docs/reference/api.md and the changelog.
+    assert sqla_jobs.__all__ == PUBLIC
+
+
+def test_every_public_name_is_importable_and_documented() -> None:
+    namespace: dict[str, object] = {}
+    exec(f"from sqla_jobs import {', '.join(PUBLIC)}", namespace)
+    for name in PUBLIC:
+        assert namespace[name] is getattr(sqla_jobs, name)
+    api = (ROOT / "docs" / "reference" / "api.md").read_text()
+    missing = [name for name in PUBLIC if f"`{name}" not in api]
+    assert not missing, f"docs/reference/api.md does not document {missing}"
+
+
+def test_limits_have_their_documented_values() -> None:
+    assert sqla_jobs.MAX_PAYLOAD_BYTES == 1_048_576
+    assert sqla_jobs.MAX_ERROR_LENGTH == 4000
+
+
+def test_py_typed_is_shipped() -> None:
+    assert resources.files("sqla_jobs").joinpath("py.typed").is_file()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert 'sqla_jobs = ["py.typed"]' in pyproject  # package-data, so wheels carry it too
+
+
+def test_error_tree() -> None:
+    for name in ("InvalidJob", "ConfigError", "SchemaError", "NotFound"):
+        assert issubclass(getattr(sqla_jobs, name), sqla_jobs.SqlaJobsError)
+    assert issubclass(sqla_jobs.InvalidJob, ValueError)
+    assert issubclass(sqla_jobs.NotFound, LookupError)
+    assert "create-tables" in str(sqla_jobs.SchemaError())  # the docstring is the default message
+
+
+def test_ruff_is_clean() -> None:
+    result = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
