@@ -107,7 +107,7 @@ class Worker:
         engine: Engine,
         queue: JobQueue[Any, Any],
         *,
-        concurrency: int = 10,
+        concurrency: int = 4,
         queues: list[str] | None = None,
         lease: float = 60.0,
         heartbeat: float | None = None,
