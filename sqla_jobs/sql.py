@@ -332,8 +332,9 @@ class SQL:
         stmt = stmt.returning(
             t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority, t.c.run_at
         )
-        return [Claimed(r.id, r.kind, r.queue, r.payload, r.attempts, r.max_attempts, r.priority, token)
-                for r in conn.execute(stmt)]
+        # UPDATE … RETURNING has no order: give the batch back in claim order.
+        rows = sorted(conn.execute(stmt), key=lambda r: (-r.priority, r.run_at, r.id))
+        return [Claimed(r.id, r.kind, r.queue, r.payload, r.attempts, r.max_attempts, r.priority, token) for r in rows]
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """Insert validated rows (payload already JSON text) in the caller's transaction.

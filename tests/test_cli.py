@@ -96,10 +96,10 @@ def test_dead_list_text_and_json(db: Database) -> None:
     [job_id] = make_dead(db)
     text = run_cli("dead", "list", *APP, env=db.env())
     assert text.returncode == 0, text.stderr
-    header, row = text.stdout.strip().splitlines()
-    assert header.split()[:3] == ["id", "kind", "attempts"]
-    assert row.split()[:3] == [str(job_id), "fail", "1"]
-    assert "ValueError: fail broke" in row
+    # A table (rich's, or plain text without rich): check what it says, not its borders.
+    cells = text.stdout.replace("│", " ").replace("┃", " ").split()
+    assert {"id", "kind", "attempts", str(job_id), "fail", "ValueError:"} <= set(cells)
+    assert "1 dead job(s)" in text.stdout
     as_json = run_cli("dead", "list", "--json", *APP, env=db.env())
     assert as_json.returncode == 0, as_json.stderr
     [item] = json.loads(as_json.stdout)

@@ -22,6 +22,7 @@ PUBLIC = [
     "JobMixin",
     "JobQueue",
     "JobSnooze",
+    "JobStateError",
     "NotFound",
     "SchemaError",
     "SqlaJobsError",
