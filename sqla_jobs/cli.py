@@ -26,6 +26,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.orm import Session
 
+from .cli_migrations import add_migrations_parser
 from .errors import ConfigError, SqlaJobsError
 from .queue import JobQueue
 from .worker import Worker
@@ -214,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind")
     p.add_argument("--all", action="store_true")
     p.set_defaults(func=cmd_dead_retry)
+
+    add_migrations_parser(sub, _common)
 
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")
