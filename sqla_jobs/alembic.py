@@ -73,7 +73,8 @@ from alembic.config import Config
 from alembic.operations import ops
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Index, MetaData, Table, make_url, text
+from sqlalchemy import Connection, Index, MetaData, Table, inspect, make_url, text
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSON as PG_JSON
 from sqlalchemy.dialects.postgresql import JSONB
 
@@ -331,6 +332,10 @@ def _describe(op: ops.MigrateOperation) -> Iterator[str]:
         yield f"add column {op.table_name}.{op.column.name}"
     elif isinstance(op, ops.CreateIndexOp):
         yield f"create index {op.index_name}"
+    elif isinstance(op, ops.DropIndexOp):
+        yield f"drop index {op.index_name}"
+    elif isinstance(op, ops.ExecuteSQLOp):
+        yield str(op.sqltext)
     else:
         yield type(op).__name__
 
@@ -344,8 +349,8 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
             upgrade.append(ops.CreateTableOp.from_table(table))
             indexes = [ops.CreateIndexOp.from_index(ix) for ix in sorted(table.indexes, key=lambda i: i.name or "")]
             upgrade.append(ops.ModifyTableOps(table.name, indexes, schema=table.schema))  # type: ignore[arg-type]
-        up = ops.UpgradeOps(upgrade)
-        return up, up.reverse()
+        down = ops.UpgradeOps(upgrade).reverse()
+        return ops.UpgradeOps([*_create_schemas(metadata, None), *upgrade]), down
     names = {t.name for t in metadata.tables.values()}
     schemas = {t.schema for t in metadata.tables.values()}
 
@@ -369,7 +374,21 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
     )
     script = produce_migrations(context, metadata)
     assert script.upgrade_ops is not None and script.downgrade_ops is not None
+    if not script.upgrade_ops.is_empty():
+        script.upgrade_ops.ops[:0] = _create_schemas(metadata, conn)
     return script.upgrade_ops, script.downgrade_ops
+
+
+def _create_schemas(metadata: MetaData, conn: Connection | None) -> list[ops.MigrateOperation]:
+    """PostgreSQL schemas the tables live in, created if missing (and never dropped: they may hold more)."""
+    if conn is not None and conn.dialect.name != "postgresql":
+        return []
+    schemas = sorted({t.schema for t in metadata.tables.values() if t.schema})
+    if conn is not None:
+        existing = set(inspect(conn).get_schema_names())
+        schemas = [s for s in schemas if s not in existing]
+    preparer = postgresql.dialect().identifier_preparer
+    return [ops.ExecuteSQLOp(f"CREATE SCHEMA IF NOT EXISTS {preparer.quote_schema(s)}") for s in schemas]
 
 
 def render_revision(
