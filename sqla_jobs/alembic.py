@@ -391,6 +391,19 @@ def _create_schemas(metadata: MetaData, conn: Connection | None) -> list[ops.Mig
     return [ops.ExecuteSQLOp(f"CREATE SCHEMA IF NOT EXISTS {preparer.quote_schema(s)}") for s in schemas]
 
 
+def _refuse_second_create(queue: JobQueue[Any, Any], script_dir: ScriptDirectory) -> None:
+    """A create-everything revision on top of a history that already creates the tables would fail on upgrade."""
+    names = [m.__table__.name for m in (queue.job_model, queue.dead_model)]  # type: ignore[attr-defined]
+    for script in script_dir.walk_revisions():
+        source = Path(script.path).read_text(encoding="utf-8", errors="replace")
+        for name in names:
+            if re.search(rf"create_table\(\s*['\"]{re.escape(name)}['\"]", source):
+                raise ConfigError(
+                    f"revision {script.revision} ({Path(script.path).name}) already creates table {name!r}: "
+                    "pass --url (or set SQLA_JOBS_URL) so render writes only what your database lacks"
+                )
+
+
 def render_revision(
     queue: JobQueue[Any, Any],
     alembic_ini: str | Path = "alembic.ini",
@@ -423,6 +436,8 @@ def render_revision(
             "merge them with `alembic merge heads` first"
         )
     head = heads[0] if heads else None
+    if connection is None:
+        _refuse_second_create(queue, script_dir)
     upgrade, downgrade = _migration_ops(queue, connection)
     summary = [line for op in upgrade.ops for line in _describe(op)]
     if upgrade.is_empty():

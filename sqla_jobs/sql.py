@@ -168,7 +168,8 @@ class SQL:
                 raise SchemaError(
                     f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: "
                     "create it with `sqla-jobs create-tables --app ...`, "
-                    "`Base.metadata.create_all(engine)`, or your alembic migrations"
+                    "`Base.metadata.create_all(engine)`, or your alembic migrations "
+                    "(`sqla-jobs migrations render --app ...`, then `alembic upgrade head`)"
                 )
             have = {c["name"] for c in inspector.get_columns(table.name, schema=table.schema)}
             missing = sorted(set(table.c.keys()) - have)

@@ -237,6 +237,10 @@ def test_render_upgrade_check_and_work(empty_db: Database, tmp_path: Path) -> No
     # Nothing left to render once the database is up to date.
     again = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_db.url)
     assert "up to date" in again.stdout and len(project.revisions()) == 2
+    # Without a database it would render a second CREATE TABLE: it refuses and says what to do instead.
+    twice = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", "", check=False)
+    assert twice.returncode == 2 and "already creates table 'app_tasks'" in twice.stderr and "--url" in twice.stderr
+    assert len(project.revisions()) == 2
     project.alembic("downgrade", "0001app")
     assert not inspect(empty_db.engine).has_table("app_tasks")
     project.alembic("upgrade", "head")
