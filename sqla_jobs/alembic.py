@@ -217,26 +217,47 @@ def _with_our_indexes(yours: IncludeObject | None) -> IncludeObject:
     return combined
 
 
+Signature = tuple[bool, tuple[str, ...], "str | None"]  # unique, columns (with DESC), predicate
+
+
 def _normalise(sql: str) -> str:
     # PostgreSQL hands back "((state)::text = 'pending'::text)" for "state = 'pending'".
     sql = re.sub(r"::[\w ]+", "", sql.lower())
-    sql = re.sub(r"\b(desc|asc)\b", "", sql)
-    return re.sub(r"[\s()\"`]", "", sql)
+    sql = re.sub(r"\basc\b", "", sql)  # the default order; DESC matters and stays
+    return re.sub(r"[\s()\"`\[\]]", "", sql)
 
 
-def _metadata_signature(index: Index, dialect: str) -> tuple[bool, tuple[str, ...], str | None]:
+def _metadata_signature(index: Index, dialect: str) -> Signature:
     columns = tuple(_normalise(str(getattr(e, "name", None) or e)) for e in index.expressions)
     where = index.dialect_kwargs.get(f"{dialect}_where")
     return bool(index.unique), columns, _normalise(str(where)) if where is not None else None
 
 
-def _reflected_signature(index: dict[str, Any], dialect: str) -> tuple[bool, tuple[str, ...], str | None] | None:
+def _postgresql_signature(index: dict[str, Any]) -> Signature | None:
     expressions = index.get("expressions") or index.get("column_names") or []
     if any(e is None for e in expressions):
         return None  # an expression this SQLAlchemy version cannot reflect: only its existence is known
-    where = (index.get("dialect_options") or {}).get(f"{dialect}_where")
-    predicate = _normalise(str(where)) if where is not None else None
-    return bool(index.get("unique")), tuple(_normalise(str(e)) for e in expressions), predicate
+    sorting = index.get("column_sorting") or {}
+    columns = tuple(_normalise(f"{e} desc" if "desc" in sorting.get(e, ()) else str(e)) for e in expressions)
+    where = (index.get("dialect_options") or {}).get("postgresql_where")
+    return bool(index.get("unique")), columns, _normalise(str(where)) if where is not None else None
+
+
+def _sqlite_signature(sql: str) -> Signature | None:
+    """Parse SQLite's own copy of ``CREATE INDEX``: reflection drops DESC (and, in some versions, more)."""
+    head = re.match(r"\s*create\s+(unique\s+)?index\s.*?\son\s+[^(]+\(", sql, re.IGNORECASE | re.DOTALL)
+    if head is None:
+        return None
+    depth, start = 1, head.end()
+    for i in range(start, len(sql)):
+        depth += {"(": 1, ")": -1}.get(sql[i], 0)
+        if depth == 0:
+            break
+    else:
+        return None
+    columns = tuple(_normalise(c) for c in sql[start:i].split(","))  # no commas inside our index elements
+    rest = re.match(r"\s*where\s+(.*)$", sql[i + 1 :], re.IGNORECASE | re.DOTALL)
+    return bool(head.group(1)), columns, _normalise(rest.group(1)) if rest else None
 
 
 def _compare_job_index_lists(
@@ -253,37 +274,30 @@ def _compare_job_index_lists(
     if not ours:
         return
     dialect = autogen_context.dialect.name
-    reflected: dict[str, dict[str, Any] | None] = {}
-    if conn_table is not None:
+    have: dict[str, Signature | None] = {}
+    if conn_table is not None and dialect == "sqlite" and autogen_context.connection is not None:
+        found_sql = _sqlite_indexes(autogen_context.connection, schema, tname)
+        have = {name: _sqlite_signature(sql) for name, sql in found_sql}
+    elif conn_table is not None:
         inspector = autogen_context.inspector
-        reflected = {ix["name"]: dict(ix) for ix in inspector.get_indexes(tname, schema=schema) if ix["name"]}
-        if dialect == "sqlite" and autogen_context.connection is not None:
-            # Older SQLAlchemy skips SQLite expression indexes when reflecting.
-            for name in _sqlite_index_names(autogen_context.connection, schema, tname):
-                reflected.setdefault(name, None)
+        have = {ix["name"]: _postgresql_signature(dict(ix)) for ix in inspector.get_indexes(tname, schema=schema)}
     for index in sorted(metadata_table.indexes, key=lambda ix: str(ix.name)):
         if index.name not in ours:
             continue
-        if index.name not in reflected:
+        if index.name not in have:
             modify_ops.ops.append(ops.CreateIndexOp.from_index(index))
             continue
-        found = reflected[index.name]
-        have = _reflected_signature(found, dialect) if found is not None else None
-        if have is None:
-            continue
-        want = _metadata_signature(index, dialect)
-        if have[2] is None and dialect == "sqlite":  # older SQLAlchemy does not reflect SQLite predicates
-            want = (want[0], want[1], None)
-        if have != want:
-            # Different columns or predicate: rebuild it (downgrade re-creates this version's definition).
+        found = have[index.name]
+        if found is not None and found != _metadata_signature(index, dialect):
+            # Different columns, order or predicate: rebuild it (downgrade re-creates this version's definition).
             modify_ops.ops.append(ops.DropIndexOp.from_index(index))
             modify_ops.ops.append(ops.CreateIndexOp.from_index(index))
 
 
-def _sqlite_index_names(conn: Connection, schema: str | None, table: str) -> set[str]:
+def _sqlite_indexes(conn: Connection, schema: str | None, table: str) -> list[tuple[str, str]]:
     master = f'"{schema}".sqlite_master' if schema else "sqlite_master"
-    rows = conn.execute(text(f"SELECT name FROM {master} WHERE type = 'index' AND tbl_name = :t"), {"t": table})
-    return {r[0] for r in rows}
+    query = text(f"SELECT name, sql FROM {master} WHERE type = 'index' AND tbl_name = :t AND sql IS NOT NULL")
+    return [(r[0], r[1]) for r in conn.execute(query, {"t": table})]
 
 
 # alembic calls every registered "table" comparator for every table; ours acts on job tables only.
