@@ -98,6 +98,8 @@ __all__ = [
     "wrap_render_item",
 ]
 
+log = logging.getLogger(__name__)
+
 RenderItem = Callable[[str, Any, "AutogenContext"], "str | bool"]
 IncludeObject = Callable[[Any, "str | None", str, bool, Any], bool]
 IncludeName = Callable[["str | None", str, dict[str, Any]], bool]
@@ -278,6 +280,7 @@ def _compare_job_index_lists(
     if conn_table is not None and dialect == "sqlite" and autogen_context.connection is not None:
         found_sql = _sqlite_indexes(autogen_context.connection, schema, tname)
         have = {name: _sqlite_signature(sql) for name, sql in found_sql}
+        _warn_if_autoincrement_lost(autogen_context.connection, schema, metadata_table)
     elif conn_table is not None:
         inspector = autogen_context.inspector
         have = {ix["name"]: _postgresql_signature(dict(ix)) for ix in inspector.get_indexes(tname, schema=schema)}
@@ -292,6 +295,23 @@ def _compare_job_index_lists(
             # Different columns, order or predicate: rebuild it (downgrade re-creates this version's definition).
             modify_ops.ops.append(ops.DropIndexOp.from_index(index))
             modify_ops.ops.append(ops.CreateIndexOp.from_index(index))
+
+
+def _warn_if_autoincrement_lost(conn: Connection, schema: str | None, table: Table) -> None:
+    """alembic's SQLite batch mode rebuilds a table without AUTOINCREMENT; it has no operation to restore it."""
+    if not table.dialect_options["sqlite"].get("autoincrement"):
+        return
+    master = f'"{schema}".sqlite_master' if schema else "sqlite_master"
+    sql = conn.execute(text(f"SELECT sql FROM {master} WHERE type = 'table' AND name = :t"), {"t": table.name})
+    created = sql.scalar() or ""
+    if "autoincrement" not in created.lower():
+        log.warning(
+            "table %s was created without AUTOINCREMENT (alembic's batch mode drops it when it rebuilds a table): "
+            "SQLite may reuse the id of a job that left the table, so requeueing its dead-letter copy can fail; "
+            "rebuild it with op.batch_alter_table(%r, recreate='always', table_kwargs={'sqlite_autoincrement': True})",
+            table.name,
+            table.name,
+        )
 
 
 def _sqlite_indexes(conn: Connection, schema: str | None, table: str) -> list[tuple[str, str]]:
