@@ -8,11 +8,12 @@ Autogenerate
 
 Your models already include ``JobMixin`` / ``DeadJobMixin`` classes, so
 ``alembic revision --autogenerate`` sees the job tables. Left alone, alembic
-writes a revision that does not run: it renders the PostgreSQL ``JSONB``
-variant as ``postgresql.JSONB(astext_type=Text())`` without importing
-``Text`` (``NameError`` on upgrade), and on SQLite it silently drops the
-claim index ``ix_<table>_pending`` because it cannot reflect expression
-indexes. Add our options to both ``context.configure(...)`` calls in your
+writes a revision that does not run or is incomplete: it renders the
+PostgreSQL ``JSONB`` variant as ``postgresql.JSONB(astext_type=Text())``
+without importing ``Text`` (``NameError`` on upgrade), on SQLite it leaves out
+the claim index ``ix_<table>_pending`` (an expression index) and then reports
+it as changed forever, and it never notices a changed partial-index
+predicate. Add our options to both ``context.configure(...)`` calls in your
 ``env.py``::
 
     from sqla_jobs.alembic import configure_options
@@ -20,18 +21,22 @@ indexes. Add our options to both ``context.configure(...)`` calls in your
     context.configure(
         connection=connection,
         target_metadata=target_metadata,
-        **configure_options(),
+        **configure_options(target_metadata),
     )
 
-If you already have a ``render_item`` or ``include_object`` of your own,
-hand them over and they are still called first::
+This adds a ``render_item`` for the JSONB types, takes the queue's own
+indexes away from alembic's index comparison (``include_object``) and
+compares them itself (existence, columns with their order, ``WHERE``
+predicate), and, when your tables live in named PostgreSQL schemas, looks into
+those schemas only. If you already have a ``render_item``, ``include_object``
+or ``include_name`` of your own, hand them over and they are still called
+first::
 
-    **configure_options(render_item=my_render_item, include_object=my_filter)
+    **configure_options(target_metadata, render_item=my_render_item, include_object=my_filter)
 
 After ``alembic upgrade head``, ``alembic check`` reports no difference on
-PostgreSQL and SQLite. The pieces are also available on their own:
-``render_item`` (a drop-in ``render_item`` callable) and
-``wrap_render_item(yours)``.
+PostgreSQL and SQLite. ``render_item`` (a drop-in ``render_item`` callable)
+and ``wrap_render_item(yours)`` are also available on their own.
 
 Rendered revision
 -----------------
