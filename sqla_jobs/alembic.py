@@ -78,7 +78,7 @@ from alembic.config import Config
 from alembic.operations import ops
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from sqlalchemy import Connection, Index, MetaData, Table, inspect, make_url, text
+from sqlalchemy import Column, Connection, Index, MetaData, Table, inspect, make_url, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSON as PG_JSON
 from sqlalchemy.dialects.postgresql import JSONB
@@ -227,6 +227,29 @@ def _with_our_indexes(yours: IncludeObject | None) -> IncludeObject:
 Signature = tuple[bool, tuple[str, ...], "str | None"]  # unique, columns (with DESC), predicate
 
 
+@dataclass(frozen=True)
+class _FoundIndex:
+    """An index as the database has it: column elements (``"priority DESC"``) and predicate, as SQL text."""
+
+    unique: bool
+    elements: tuple[str, ...]
+    where: str | None
+
+    def signature(self) -> Signature:
+        return self.unique, tuple(_normalise(e) for e in self.elements), _normalise(self.where) if self.where else None
+
+    def as_index(self, name: str, table: Table, dialect: str) -> Index | None:
+        """This definition as an Index on the reflected ``table``, so a downgrade can re-create it."""
+        parts: list[Any] = []
+        for element in self.elements:
+            column = element.strip().strip('"`[]')
+            parts.append(table.c[column] if column in table.c else text(element.strip()))
+        if not any(isinstance(p, Column) for p in parts):
+            return None  # no plain column to tie it to the table
+        options = {f"{dialect}_where": text(self.where)} if self.where else {}
+        return Index(name, *parts, unique=self.unique, **options)
+
+
 def _normalise(sql: str) -> str:
     # PostgreSQL hands back "((state)::text = 'pending'::text)" for "state = 'pending'".
     sql = re.sub(r"::[\w ]+", "", sql.lower())
@@ -240,17 +263,17 @@ def _metadata_signature(index: Index, dialect: str) -> Signature:
     return bool(index.unique), columns, _normalise(str(where)) if where is not None else None
 
 
-def _postgresql_signature(index: dict[str, Any]) -> Signature | None:
+def _postgresql_index(index: dict[str, Any]) -> _FoundIndex | None:
     expressions = index.get("expressions") or index.get("column_names") or []
     if any(e is None for e in expressions):
         return None  # an expression this SQLAlchemy version cannot reflect: only its existence is known
     sorting = index.get("column_sorting") or {}
-    columns = tuple(_normalise(f"{e} desc" if "desc" in sorting.get(e, ()) else str(e)) for e in expressions)
+    elements = tuple(f"{e} DESC" if "desc" in sorting.get(e, ()) else str(e) for e in expressions)
     where = (index.get("dialect_options") or {}).get("postgresql_where")
-    return bool(index.get("unique")), columns, _normalise(str(where)) if where is not None else None
+    return _FoundIndex(bool(index.get("unique")), elements, str(where) if where is not None else None)
 
 
-def _sqlite_signature(sql: str) -> Signature | None:
+def _sqlite_index(sql: str) -> _FoundIndex | None:
     """Parse SQLite's own copy of ``CREATE INDEX``: reflection drops DESC (and, in some versions, more)."""
     head = re.match(r"\s*create\s+(unique\s+)?index\s.*?\son\s+[^(]+\(", sql, re.IGNORECASE | re.DOTALL)
     if head is None:
@@ -262,9 +285,9 @@ def _sqlite_signature(sql: str) -> Signature | None:
             break
     else:
         return None
-    columns = tuple(_normalise(c) for c in sql[start:i].split(","))  # no commas inside our index elements
-    rest = re.match(r"\s*where\s+(.*)$", sql[i + 1 :], re.IGNORECASE | re.DOTALL)
-    return bool(head.group(1)), columns, _normalise(rest.group(1)) if rest else None
+    elements = tuple(e.strip() for e in sql[start:i].split(","))  # no commas inside our index elements
+    rest = re.match(r"\s*where\s+(.*?)\s*$", sql[i + 1 :], re.IGNORECASE | re.DOTALL)
+    return _FoundIndex(bool(head.group(1)), elements, rest.group(1) if rest else None)
 
 
 def _compare_job_index_lists(
@@ -281,14 +304,14 @@ def _compare_job_index_lists(
     if not ours:
         return
     dialect = autogen_context.dialect.name
-    have: dict[str, Signature | None] = {}
+    have: dict[str, _FoundIndex | None] = {}
     if conn_table is not None and dialect == "sqlite" and autogen_context.connection is not None:
         found_sql = _sqlite_indexes(autogen_context.connection, schema, tname)
-        have = {name: _sqlite_signature(sql) for name, sql in found_sql}
+        have = {name: _sqlite_index(sql) for name, sql in found_sql}
         _warn_if_autoincrement_lost(autogen_context.connection, schema, metadata_table)
     elif conn_table is not None:
         inspector = autogen_context.inspector
-        have = {ix["name"]: _postgresql_signature(dict(ix)) for ix in inspector.get_indexes(tname, schema=schema)}
+        have = {ix["name"]: _postgresql_index(dict(ix)) for ix in inspector.get_indexes(tname, schema=schema)}
     for index in sorted(metadata_table.indexes, key=lambda ix: str(ix.name)):
         if index.name not in ours:
             continue
@@ -296,9 +319,11 @@ def _compare_job_index_lists(
             modify_ops.ops.append(ops.CreateIndexOp.from_index(index))
             continue
         found = have[index.name]
-        if found is not None and found != _metadata_signature(index, dialect):
-            # Different columns, order or predicate: rebuild it (downgrade re-creates this version's definition).
-            modify_ops.ops.append(ops.DropIndexOp.from_index(index))
+        if found is not None and found.signature() != _metadata_signature(index, dialect):
+            # Different columns, order or predicate: rebuild it; the downgrade puts the old one back.
+            assert conn_table is not None and isinstance(index.name, str)
+            old = found.as_index(index.name, conn_table, dialect) or index
+            modify_ops.ops.append(ops.DropIndexOp.from_index(old))
             modify_ops.ops.append(ops.CreateIndexOp.from_index(index))
 
 

@@ -270,6 +270,21 @@ def test_changed_queue_index_is_detected_and_rebuilt(empty_db: Database, tmp_pat
     ], out
     project.alembic("upgrade", "head")
     project.check_clean()
+    assert "DESC" in index_definition(empty_db, "ix_app_tasks_pending").upper()
+    # The downgrade puts back the definitions it replaced, not this version's.
+    project.alembic("downgrade", "-1")
+    assert "DESC" not in index_definition(empty_db, "ix_app_tasks_pending").upper()
+    assert "'x'" in index_definition(empty_db, "ix_app_tasks_running")
+    project.alembic("upgrade", "head")
+    project.check_clean()
+
+
+def index_definition(db: Database, name: str) -> str:
+    with db.engine.connect() as conn:
+        if db.backend == "sqlite":
+            return str(conn.execute(text("SELECT sql FROM sqlite_master WHERE name = :n"), {"n": name}).scalar_one())
+        query = text("SELECT indexdef FROM pg_indexes WHERE indexname = :n AND schemaname = :s")
+        return str(conn.execute(query, {"n": name, "s": db.schema}).scalar_one())
 
 
 def old_schema(metadata: MetaData, backend: str) -> None:
