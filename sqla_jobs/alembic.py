@@ -27,7 +27,7 @@ predicate. Add our options to both ``context.configure(...)`` calls in your
 This adds a ``render_item`` for the JSONB types, takes the queue's own
 indexes away from alembic's index comparison (``include_object``) and
 compares them itself (existence, columns with their order, ``WHERE``
-predicate), and, when your tables live in named PostgreSQL schemas, looks into
+predicate), compares the job tables' server defaults, and, when your tables live in named PostgreSQL schemas, looks into
 those schemas only. If you already have a ``render_item``, ``include_object``
 or ``include_name`` of your own, hand them over and they are still called
 first::
@@ -153,7 +153,9 @@ def configure_options(
     """Keyword arguments for ``context.configure(...)`` in ``env.py``.
 
     ``render_item``, ``include_object`` and ``include_name`` are yours, kept
-    and called first; other ``options`` pass through unchanged. When
+    and called first; other ``options`` pass through unchanged (a
+    ``compare_server_default`` of yours applies to your other tables; the job
+    tables' server defaults are always compared). When
     ``metadata`` (your ``target_metadata``) has tables in named schemas,
     autogenerate looks into those schemas and no others (``include_schemas``
     plus a schema filter), so it never proposes to drop tables of schemas your
@@ -162,6 +164,7 @@ def configure_options(
     """
     result: dict[str, Any] = {"compare_type": True, **options, "render_item": wrap_render_item(render_item)}
     result["include_object"] = _with_our_indexes(include_object)
+    result["compare_server_default"] = _server_defaults_of_job_tables(options.get("compare_server_default", False))
     schemas = {t.schema for t in metadata.tables.values()} if metadata is not None else set()
     named = {s for s in schemas if s is not None}
     if named:
@@ -248,6 +251,20 @@ class _FoundIndex:
             return None  # no plain column to tie it to the table
         options = {f"{dialect}_where": text(self.where)} if self.where else {}
         return Index(name, *parts, unique=self.unique, **options)
+
+
+def _server_defaults_of_job_tables(yours: Any) -> Callable[..., bool | None]:
+    """compare_server_default: on for the job tables (None = alembic's comparison), yours for the rest."""
+
+    def compare(context: Any, inspected_column: Any, metadata_column: Any, *defaults: Any) -> bool | None:
+        table = metadata_column.table
+        if _our_index_names(table):
+            return None
+        if callable(yours):
+            return yours(context, inspected_column, metadata_column, *defaults)  # type: ignore[no-any-return]
+        return None if yours else False
+
+    return compare
 
 
 def _normalise(sql: str) -> str:
@@ -398,6 +415,8 @@ def _describe(op: ops.MigrateOperation) -> Iterator[str]:
         yield f"create index {op.index_name}"
     elif isinstance(op, ops.DropIndexOp):
         yield f"drop index {op.index_name}"
+    elif isinstance(op, ops.AlterColumnOp):
+        yield f"alter column {op.table_name}.{op.column_name}"
     elif isinstance(op, ops.ExecuteSQLOp):
         yield str(op.sqltext)
     else:
@@ -433,6 +452,7 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
             "include_object": _leave_our_indexes_to_us,
             "include_schemas": any(s is not None for s in schemas),
             "compare_type": True,
+            "compare_server_default": _server_defaults_of_job_tables(False),
             "render_item": render_item,
         },
     )

@@ -270,6 +270,16 @@ def test_changed_queue_index_is_detected_and_rebuilt(empty_db: Database, tmp_pat
     ], out
     project.alembic("upgrade", "head")
     project.check_clean()
+    if empty_db.backend == "postgresql":  # SQLite cannot change a column's default in place
+        with empty_db.engine.begin() as conn:
+            conn.execute(text("ALTER TABLE app_tasks ALTER COLUMN max_attempts SET DEFAULT 9"))
+        changed = project.alembic("check", check=False)
+        assert changed.returncode != 0 and "modify_default" in changed.stdout + changed.stderr
+        fix = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_db.url).stdout
+        assert "alter column app_tasks.max_attempts" in fix
+        project.alembic("upgrade", "head")
+        project.check_clean()
+        project.alembic("downgrade", "-1")
     assert "DESC" in index_definition(empty_db, "ix_app_tasks_pending").upper()
     # The downgrade puts back the definitions it replaced, not this version's.
     project.alembic("downgrade", "-1")
