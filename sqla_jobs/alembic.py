@@ -78,6 +78,7 @@ from alembic.config import Config
 from alembic.operations import ops
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from alembic.util import CommandError
 from sqlalchemy import Column, Connection, Index, MetaData, Table, inspect, make_url, text
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSON as PG_JSON
@@ -511,7 +512,7 @@ def render_revision(
     config = Config(str(ini))
     try:
         script_dir = ScriptDirectory.from_config(config)
-    except Exception as exc:  # alembic raises CommandError / plain errors for a bad script_location
+    except CommandError as exc:  # e.g. script_location missing or not a folder
         raise ConfigError(f"{ini}: {exc}") from None
     heads = script_dir.get_heads()
     if len(heads) > 1:
@@ -537,14 +538,17 @@ def render_revision(
     if message is None:
         message = f"sqla-jobs tables {tables}" if connection is None else f"sqla-jobs schema upgrade of {tables}"
     rev_id = uuid.uuid4().hex[-12:]
-    script = script_dir.generate_revision(
-        rev_id,
-        message,
-        head="head" if head else None,
-        upgrades=upgrades,
-        downgrades=downgrades,
-        imports="\n".join(imports),
-    )
+    try:
+        script = script_dir.generate_revision(
+            rev_id,
+            message,
+            head="head" if head else None,
+            upgrades=upgrades,
+            downgrades=downgrades,
+            imports="\n".join(imports),
+        )
+    except CommandError as exc:  # e.g. several version locations and no way to choose
+        raise ConfigError(f"{ini}: {exc}") from None
     assert script is not None
     return Rendered(Path(script.path), script.revision, head, summary)
 

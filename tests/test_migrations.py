@@ -562,3 +562,21 @@ def test_render_writes_exactly_what_is_missing(
             again = render_revision(app.queue, root / "alembic.ini", connection=conn)
         assert set(again.summary) == expected  # the downgrade restored exactly the old schema
         engine.dispose()
+
+
+def test_render_errors_are_one_line(tmp_path: Path) -> None:
+    write_models(tmp_path)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"}
+    env.pop("SQLA_JOBS_URL", None)
+
+    def render(*extra: str) -> subprocess.CompletedProcess[str]:
+        args = [sys.executable, "-m", "sqla_jobs.cli", "migrations", "render", "--app", "jobmodels:queue", *extra]
+        return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+
+    missing = render()
+    assert missing.returncode == 2 and "no alembic config at 'alembic.ini'" in missing.stderr
+    (tmp_path / "alembic.ini").write_text("[alembic]\nscript_location = nowhere\n")
+    broken = render()
+    assert broken.returncode == 2 and "nowhere" in broken.stderr
+    for result in (missing, broken):
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
