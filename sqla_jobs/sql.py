@@ -182,7 +182,10 @@ class SQL:
         indexes = self._index_names(conn, inspector, self.jobs)
         absent = [name for name in wanted if name in {ix.name for ix in self.jobs.indexes} and name not in indexes]
         if absent:
-            raise SchemaError(f"table {self.jobs.fullname!r} lacks index(es) {', '.join(absent)}: {_MIGRATE}")
+            raise SchemaError(
+                f"table {self.jobs.fullname!r} lacks index(es) {', '.join(absent)}: {_MIGRATE}; "
+                "without alembic, `sqla-jobs create-tables --app ...` creates missing indexes"
+            )
 
     def _index_names(self, conn: Connection, inspector: Any, table: Table) -> set[str]:
         if self.sqlite:
