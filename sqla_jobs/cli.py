@@ -30,6 +30,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 from sqlalchemy.orm import Session
 
+from .cli_migrations import add_migrations_parser
 from .durations import format_duration, parse_duration
 from .errors import ConfigError, NotFound, SchemaError, SqlaJobsError
 from .models import STATES
@@ -552,6 +553,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-oldest-age", required=True, metavar="AGE",
                    help="unhealthy when a due job has waited longer (e.g. 15m)")
     p.set_defaults(func=cmd_health)
+
+    add_migrations_parser(sub, _common)
 
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")

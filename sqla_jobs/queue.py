@@ -40,6 +40,7 @@ from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
+from sqlalchemy.schema import CreateIndex
 
 from .backoff import Backoff
 from .errors import ConfigError, InvalidJob, JobStateError, NotFound
@@ -194,7 +195,11 @@ class JobQueue(Generic[J, D]):
         return self._sql[name]
 
     def create_tables(self, engine: Engine) -> None:
-        """Create the two tables (and their PostgreSQL schema) if missing; for apps without alembic."""
+        """Create the two tables (and their PostgreSQL schema) and their indexes if missing; for apps without alembic.
+
+        Existing tables are not altered otherwise: a column added by a newer
+        sqla-jobs needs a migration (see docs/howto/migrations.md).
+        """
         tables = [self.job_model.__table__, self.dead_model.__table__]  # type: ignore[attr-defined]
         with engine.begin() as conn:
             for schema in {t.schema for t in tables if t.schema}:
@@ -202,6 +207,8 @@ class JobQueue(Generic[J, D]):
                     conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
             for table in tables:
                 table.create(conn, checkfirst=True)
+                for index in table.indexes:  # tables made by an older sqla-jobs may lack an index added since
+                    conn.execute(CreateIndex(index, if_not_exists=True))
         self.sql(engine).prepare(engine)
 
     def check_schema(self, engine: Engine) -> None:

@@ -91,6 +91,13 @@ def truncate(message: str) -> str:
     return message[: MAX_ERROR_LENGTH - 15] + "… [truncated]"
 
 
+_MIGRATE = (
+    "this sqla-jobs version needs a schema migration; with alembic, run "
+    "`sqla-jobs migrations render --app ... --url ...` (it writes a revision for exactly what is missing) "
+    "and `alembic upgrade head`; see docs/howto/migrations.md"
+)
+
+
 def notify_channel(table: Table) -> str:
     """The LISTEN/NOTIFY channel of one jobs table (PostgreSQL caps names at 63 bytes)."""
     name = f"sqla_jobs.{table.schema}.{table.name}" if table.schema else f"sqla_jobs.{table.name}"
@@ -236,16 +243,32 @@ class SQL:
                 raise SchemaError(
                     f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: "
                     "create it with `sqla-jobs create-tables --app ...`, "
-                    "`Base.metadata.create_all(engine)`, or your alembic migrations"
+                    "`Base.metadata.create_all(engine)`, or your alembic migrations "
+                    "(`sqla-jobs migrations render --app ...`, then `alembic upgrade head`)"
                 )
             have = {c["name"] for c in inspector.get_columns(table.name, schema=table.schema)}
             missing = sorted(set(table.c.keys()) - have)
             if missing:
                 raise SchemaError(
-                    f"table {table.fullname!r} lacks column(s) {', '.join(missing)}: this sqla-jobs "
-                    "version needs a schema migration; run `sqla-jobs migrations render --app ...` "
-                    "and `alembic upgrade head`"
+                    f"table {table.fullname!r} lacks column(s) {', '.join(missing)}: {_MIGRATE}"
                 )
+        # The claim and the lease reaper scan the whole table without these.
+        wanted = [f"ix_{self.jobs.name}_pending", f"ix_{self.jobs.name}_running"]
+        indexes = self._index_names(conn, inspector, self.jobs)
+        absent = [name for name in wanted if name in {ix.name for ix in self.jobs.indexes} and name not in indexes]
+        if absent:
+            raise SchemaError(
+                f"table {self.jobs.fullname!r} lacks index(es) {', '.join(absent)}: {_MIGRATE}; "
+                "without alembic, `sqla-jobs create-tables --app ...` creates missing indexes"
+            )
+
+    def _index_names(self, conn: Connection, inspector: Any, table: Table) -> set[str]:
+        if self.sqlite:
+            # Some SQLAlchemy versions leave SQLite expression indexes (the claim index) out of reflection.
+            master = f'"{table.schema}".sqlite_master' if table.schema else "sqlite_master"
+            query = text(f"SELECT name FROM {master} WHERE type = 'index' AND tbl_name = :t")
+            return set(conn.execute(query, {"t": table.name}).scalars())
+        return {ix["name"] for ix in inspector.get_indexes(table.name, schema=table.schema) if ix["name"]}
 
 
     def has_notify_trigger(self, conn: Connection) -> bool:
