@@ -86,6 +86,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from .errors import ConfigError
 from .models import DeadJobMixin, JobMixin
+from .sql import notify_trigger_ddl, notify_trigger_name
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
@@ -260,12 +261,21 @@ def _server_defaults_of_job_tables(yours: Any) -> Callable[..., bool | None]:
     def compare(context: Any, inspected_column: Any, metadata_column: Any, *defaults: Any) -> bool | None:
         table = metadata_column.table
         if _our_index_names(table):
+            inspected, rendered = defaults[0], defaults[-1] if defaults else None
+            if _is_null_default(rendered):  # "DEFAULT NULL": PostgreSQL reflects it as no default
+                return not (inspected is None or _is_null_default(inspected))
             return None
         if callable(yours):
             return yours(context, inspected_column, metadata_column, *defaults)  # type: ignore[no-any-return]
         return None if yours else False
 
     return compare
+
+
+def _is_null_default(sql: Any) -> bool:
+    # Our nullable columns say DEFAULT NULL (see models._NULL); it comes back as None, "NULL" or "NULL::text".
+    text = sql.strip().strip("'").lower() if isinstance(sql, str) else ""
+    return re.fullmatch(r"\(?'?null'?\)?(::[\w ]+)?", text) is not None
 
 
 def _normalise(sql: str) -> str:
@@ -476,6 +486,24 @@ def _create_schemas(metadata: MetaData, conn: Connection | None) -> list[ops.Mig
     return [ops.ExecuteSQLOp(f"CREATE SCHEMA IF NOT EXISTS {preparer.quote_schema(s)}") for s in schemas]
 
 
+def _notify_trigger_code(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[str, str] | None:
+    """Upgrade and downgrade code for the NOTIFY trigger, if the database lacks it.
+
+    Autogenerate cannot see triggers, so render writes it; the code checks the
+    dialect when it runs, so one revision still serves PostgreSQL and SQLite.
+    """
+    table = queue.job_model.__table__  # type: ignore[attr-defined]
+    if conn is not None and (conn.dialect.name != "postgresql" or queue.sql(conn).has_notify_trigger(conn)):
+        return None
+    create, drop = notify_trigger_ddl(table)
+    function, trigger = create.split(";\n")
+    guard = '    if op.get_bind().dialect.name == "postgresql":\n'
+    upgrade = (guard + "        # wakes idle workers at commit (LISTEN/NOTIFY); see sqla_jobs.sql.notify_trigger_ddl\n"
+               f"        op.execute({function!r})\n        op.execute({trigger!r})")
+    downgrade = guard + f"        op.execute({drop!r})"
+    return upgrade, downgrade
+
+
 def _refuse_second_create(queue: JobQueue[Any, Any], script_dir: ScriptDirectory) -> None:
     """A create-everything revision on top of a history that already creates the tables would fail on upgrade."""
     names = [m.__table__.name for m in (queue.job_model, queue.dead_model)]  # type: ignore[attr-defined]
@@ -525,15 +553,22 @@ def render_revision(
         _refuse_second_create(queue, script_dir)
     upgrade, downgrade = _migration_ops(queue, connection)
     summary = [line for op in upgrade.ops for line in _describe(op)]
-    if upgrade.is_empty():
+    trigger = _notify_trigger_code(queue, connection)
+    if trigger is not None:
+        summary.append(f"create trigger {notify_trigger_name(queue.job_model.__table__)} (PostgreSQL)")  # type: ignore[attr-defined]
+    if upgrade.is_empty() and trigger is None:
         return Rendered(None, None, head, [])
     imports = ("from sqlalchemy.dialects import postgresql",)
     context = (
         MigrationContext.configure(connection=connection) if connection is not None else None
     )
     kwargs: dict[str, Any] = {"render_item": render_item, "imports": imports, "migration_context": context}
-    upgrades = render_python_code(upgrade, **kwargs)
-    downgrades = render_python_code(downgrade, **kwargs)
+    upgrades = render_python_code(upgrade, **kwargs) if not upgrade.is_empty() else ""
+    downgrades = render_python_code(downgrade, **kwargs) if not downgrade.is_empty() else ""
+    if trigger is not None:
+        # The revision template indents the first line itself; every other line carries its own indent.
+        upgrades = f"{upgrades}\n{trigger[0]}" if upgrades else trigger[0].lstrip()
+        downgrades = trigger[1].lstrip() + (f"\n    {downgrades}" if downgrades else "")
     tables = ", ".join(m.__table__.fullname for m in (queue.job_model, queue.dead_model))  # type: ignore[attr-defined]
     if message is None:
         message = f"sqla-jobs tables {tables}" if connection is None else f"sqla-jobs schema upgrade of {tables}"

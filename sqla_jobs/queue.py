@@ -45,7 +45,7 @@ from sqlalchemy.schema import CreateIndex
 from .backoff import Backoff
 from .errors import ConfigError, InvalidJob, JobStateError, NotFound
 from .models import STATES, DeadJobMixin, JobMixin, check_row
-from .sql import SQL
+from .sql import SQL, notify_trigger_ddl
 from .stats import QueueStats, collect
 
 __all__ = ["EVENTS", "Handler", "JobEvent", "JobQueue"]
@@ -209,6 +209,9 @@ class JobQueue(Generic[J, D]):
                 table.create(conn, checkfirst=True)
                 for index in table.indexes:  # tables made by an older sqla-jobs may lack an index added since
                     conn.execute(CreateIndex(index, if_not_exists=True))
+            sql = self.sql(conn)
+            if sql.postgres and not sql.has_notify_trigger(conn):  # tables made without it (or before it existed)
+                conn.execute(text(notify_trigger_ddl(self.job_model.__table__)[0]))  # type: ignore[attr-defined]
         self.sql(engine).prepare(engine)
 
     def check_schema(self, engine: Engine) -> None:
