@@ -412,7 +412,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for run in range(args.runs):
             say(f"run {run + 1}/{args.runs}")
-            for name, system in systems.items():
+            # Rotate who goes first, so that a slow patch of the machine doesn't always hit the same system.
+            names = list(systems)
+            shift = run % len(names) if names else 0
+            for name in names[shift:] + names[:shift]:
+                system = systems[name]
                 if system.error:
                     continue  # failed to install, or failed in an earlier run: don't spend time on it again
                 say(f"  {name}")
