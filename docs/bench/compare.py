@@ -311,6 +311,9 @@ def render(systems: dict[str, System], args: argparse.Namespace) -> tuple[str, l
                 f"{fmt(m.get('pickup_p50_ms'), 1)} / {fmt(m.get('pickup_p95_ms'), 1)}",
                 fmt(m.get("bulk_enqueue")), fmt(m.get("single_enqueue")),
             ))
+    labels = {"sqla-jobs": "sqla-jobs", "raw": "raw SQL", **{p: p for p in PEERS}}
+    rows = [r for r in rows if not any(r[0].startswith(labels[n]) for n, s in systems.items() if not s.runs)]
+    rows += [(labels[n], "failed: see below", "—", "—", "—") for n, s in systems.items() if not s.runs]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     line = "| " + " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)) + " |"
     out = [f"\n{args.jobs} no-op jobs, median of {args.runs} run(s)\n", line,
