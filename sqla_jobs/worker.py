@@ -49,6 +49,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 
+from .connection import harden
 from .context import JobContext, _current
 from .errors import ConfigError, JobCancel, JobSnooze
 from .queue import JobEvent, JobQueue
@@ -118,6 +119,7 @@ class Worker:
         self.batch_size = batch_size
         self.listen = listen and self.sql.postgres and engine.dialect.driver == "psycopg"
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        harden(engine, self.name)  # keepalives, timeouts, application_name: see connection.py
 
         self._wake = threading.Event()
         self._todo: stdlib_queue.SimpleQueue[Claimed | None] = stdlib_queue.SimpleQueue()

@@ -145,3 +145,19 @@ def cancel(payload: dict[str, Any]) -> None:
 @queue.handler("async_noop")
 async def async_noop(payload: dict[str, Any]) -> None:
     record("finish")
+
+
+@queue.handler("once_slow", transactional=True)
+def once_slow(payload: dict[str, Any]) -> None:
+    """Exactly-once with its write already sent to the database, then a pause to crash in.
+
+    Marks its start by creating ``payload["marker"]`` (a file, not a row: on
+    SQLite the handler's transaction holds the write lock while it runs).
+    """
+    job = current_job()
+    assert job.session is not None
+    job.session.add(Once(job_id=job.id))
+    job.session.flush()
+    with open(f"{payload['marker']}.{job.attempt}", "w"):
+        pass
+    time.sleep(payload.get("sleep", 0))
