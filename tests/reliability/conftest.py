@@ -24,8 +24,8 @@ class Workers:
         self.tmp_path = tmp_path
         self.started: list[WorkerProc] = []
 
-    def __call__(self, url: str, **options: Any) -> WorkerProc:
-        worker = WorkerProc(url, self.tmp_path / f"worker-{len(self.started)}.log", options)
+    def __call__(self, url: str, handler_url: str | None = None, **options: Any) -> WorkerProc:
+        worker = WorkerProc(url, self.tmp_path / f"worker-{len(self.started)}.log", options, handler_url)
         self.started.append(worker.start())
         return worker
 

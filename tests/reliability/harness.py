@@ -41,6 +41,7 @@ class WorkerProc:
     url: str
     log_path: Path
     options: dict[str, Any] = field(default_factory=dict)
+    handler_url: str | None = None  # the handlers' own database URL, when not the worker's (behind a proxy)
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> WorkerProc:
@@ -52,7 +53,7 @@ class WorkerProc:
                 args.append(f"--{key.replace('_', '-')}")
             elif value is not False and value is not None:
                 args += [f"--{key.replace('_', '-')}", str(value)]
-        env = {**os.environ, "SQLA_JOBS_URL": self.url, "PYTHONPATH": str(ROOT)}
+        env = {**os.environ, "SQLA_JOBS_URL": self.handler_url or self.url, "PYTHONPATH": str(ROOT)}
         env.pop("SQLA_JOBS_APP", None)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
