@@ -446,8 +446,8 @@ class Worker:
             conn = None
             try:
                 raw = self.engine.raw_connection()
+                conn = raw.driver_connection  # before detach(): after it the pool entry no longer knows it
                 raw.detach()  # a long-lived LISTEN connection does not belong in the pool
-                conn = raw.driver_connection
                 conn.autocommit = True  # type: ignore[union-attr]
                 conn.execute(f'LISTEN "{self.sql.channel}"')  # type: ignore[union-attr]
                 failures = 0
