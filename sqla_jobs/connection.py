@@ -15,6 +15,12 @@ unless the database URL already sets them::
     tcp_user_timeout     30000   ms that sent data may stay unacknowledged
     application_name     sqla-jobs worker <worker name>
 
+The server gets the same keepalive settings for its side of the socket
+(``tcp_keepalives_idle``/``_interval``/``_count``, ``tcp_user_timeout``,
+sent as ``-c`` options at connect), so a worker that vanishes in the middle
+of a transaction has its session ended and its row locks released within
+about 30 seconds, and the reaper can take its jobs over.
+
 With these a dead peer is detected within about 30 seconds; the query fails
 with an OperationalError, the control loop backs off and reconnects, and
 whatever the worker had claimed meanwhile is covered by its lease (another
@@ -29,7 +35,7 @@ from typing import Any
 
 from sqlalchemy import Engine, event
 
-__all__ = ["DEFAULTS", "harden"]
+__all__ = ["DEFAULTS", "SERVER_SIDE", "harden"]
 
 DEFAULTS: dict[str, int] = {
     "connect_timeout": 10,
@@ -37,6 +43,14 @@ DEFAULTS: dict[str, int] = {
     "keepalives_idle": 10,
     "keepalives_interval": 5,
     "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+
+#: The server's side of the same socket (PostgreSQL settings, per session).
+SERVER_SIDE: dict[str, int] = {
+    "tcp_keepalives_idle": 10,
+    "tcp_keepalives_interval": 5,
+    "tcp_keepalives_count": 3,
     "tcp_user_timeout": 30_000,
 }
 
@@ -54,6 +68,9 @@ def harden(engine: Engine, worker_name: str) -> None:
         for key, value in settings.items():
             if key not in given:
                 cparams.setdefault(key, value)
+        options = str(cparams.get("options") or "")
+        extra = [f"-c {key}={value}" for key, value in SERVER_SIDE.items() if key not in options]
+        cparams["options"] = " ".join([options, *extra]).strip()
 
     if not getattr(engine, "_sqla_jobs_hardened", False):
         event.listen(engine, "do_connect", add_settings)

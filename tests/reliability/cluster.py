@@ -9,6 +9,7 @@ this machine cannot do it (then the test skips locally and fails in CI).
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import pwd
@@ -80,8 +81,6 @@ class PrivateCluster:
         self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "-t", "60", "stop")
 
     def destroy(self) -> None:
-        try:
+        with contextlib.suppress(subprocess.CalledProcessError):  # already stopped
             self.stop("immediate")
-        except subprocess.CalledProcessError:
-            pass
         shutil.rmtree(self.dir, ignore_errors=True)

@@ -76,8 +76,9 @@ def test_racing_workers_never_run_a_job_twice(db: Database, workers: Workers) ->
     pool = [workers(db.url, concurrency=2, poll_interval=0.05) for _ in range(3)]
     ids: list[int] = []
     for _ in range(12):  # one job at a time, so all idle workers race for each
-        ids += enqueue(db.engine, "record")
-        wait_for(lambda: all_settled(db.engine, ids), 30, "the job to finish")
+        [one] = enqueue(db.engine, "record")
+        ids.append(one)
+        wait_for(lambda one=one: all_settled(db.engine, [one]), 30, "the job to finish")
     ids += enqueue(db.engine, "record", n=30)
     wait_for(lambda: all_settled(db.engine, ids), 60, "a batch of 30 to finish")
     for worker in pool:

@@ -10,11 +10,12 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import make_url, text, update
+from sqlalchemy import create_engine, make_url, text, update
 
+from sqla_jobs import Worker
+from sqla_jobs.connection import SERVER_SIDE
 from tests import app
 from tests.conftest import Database
-from sqla_jobs import Worker
 
 from .conftest import Workers
 from .harness import all_settled, check_invariants, dead, effects, enqueue, job, wait_for
@@ -166,3 +167,23 @@ def test_worker_connections_carry_keepalives_and_a_name(pg: Database, workers: W
             {"p": f"sqla-jobs worker %:{worker.pid}:%"}).scalars().all(), 10, "the worker's connections")
     assert names
     assert worker.stop() == 0
+
+
+def test_worker_connections_detect_a_dead_peer(pg: Database) -> None:
+    """Client and server keepalives and timeouts are on, so a silent network death ends in an error, not a hang."""
+    engine = create_engine(make_url(pg.url).update_query_dict({"keepalives_idle": "30"}))
+    try:
+        Worker(engine, app.queue, name="keepalive-test")
+        with engine.connect() as conn:
+            params = conn.connection.driver_connection.info.get_parameters()
+            server = {name: conn.execute(text(f"show {name}")).scalar_one() for name in SERVER_SIDE}
+            schema = conn.execute(text("show search_path")).scalar_one()
+        assert params["keepalives"] == "1" and params["tcp_user_timeout"] == "30000"
+        assert params["connect_timeout"] == "10"
+        assert params["keepalives_idle"] == "30", "a value given in the URL wins"
+        assert params["application_name"] == "sqla-jobs worker keepalive-test"
+        assert server == {"tcp_keepalives_idle": "10", "tcp_keepalives_interval": "5",
+                          "tcp_keepalives_count": "3", "tcp_user_timeout": "30000"}
+        assert schema == pg.schema, "the URL's own options are kept"
+    finally:
+        engine.dispose()
