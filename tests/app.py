@@ -161,3 +161,11 @@ def once_slow(payload: dict[str, Any]) -> None:
     with open(f"{payload['marker']}.{job.attempt}", "w"):
         pass
     time.sleep(payload.get("sleep", 0))
+
+
+@queue.handler("relay")
+def relay(payload: dict[str, Any]) -> None:
+    """Like ``record``, sleeping ``first`` seconds on attempt 1 and ``later`` on the others."""
+    record("start")
+    time.sleep(payload["first"] if current_job().attempt == 1 else payload["later"])
+    record("finish")

@@ -52,33 +52,34 @@ def via(proxy: TcpProxy, db: Database) -> str:
 
 
 def test_stale_worker_result_is_discarded_not_applied(pg: Database, workers: Workers, proxy: TcpProxy) -> None:
-    """Worker A is cut off (stalled, not closed) mid-job; B takes over after the lease; A's late finish is fenced."""
-    [job_id] = enqueue(pg.engine, "record", {"sleep": 0.5})
+    """Worker A is cut off (stalled, not closed) mid-job; B takes over after the lease; A's late finish is fenced.
+
+    A comes back while B is still running the job: a finish fenced by job id
+    alone would mark B's run finished under it.
+    """
+    [job_id] = enqueue(pg.engine, "relay", {"first": 0.3, "later": 3.0})
     stale = workers(via(proxy, pg), handler_url=pg.url, no_listen=True)
     wait_for(lambda: effects(pg.engine, job_id, "start"), 30, "A to start the job")
     proxy.stall()
     wait_for(lambda: effects(pg.engine, job_id, "finish"), 30, "A's handler to finish (its result held back)")
     rescuer = workers(pg.url)
-    wait_for(lambda: all_settled(pg.engine, [job_id]), 30, "B to take the job over and finish it")
+    wait_for(lambda: len(effects(pg.engine, job_id, "start")) == 2, 30, "B to take the job over")
     proxy.resume()
     wait_for(lambda: "result discarded" in stale.log(), 30, "A to discard its stale result")
+    row = job(pg.engine, job_id)
+    assert (row.state, row.attempts) == ("running", 2), "A's stale finish must not touch B's run"
+    wait_for(lambda: all_settled(pg.engine, [job_id]), 30, "B to finish the job")
     assert stale.alive() and rescuer.alive()
     assert stale.stop() == 0 and rescuer.stop() == 0
     check_invariants(pg.engine, [job_id], workers.logs())
     row = job(pg.engine, job_id)
     assert (row.state, row.attempts) == ("finished", 2)
     assert "WorkerLost" in row.errors[0]["error"]
-    assert f"job {job_id} record attempt 1/" in stale.log() and "claim lost" in stale.log()
+    assert f"job {job_id} relay attempt 1/" in stale.log() and "claim lost" in stale.log()
+    assert f"job {job_id} relay attempt 2/5" in rescuer.log() and "finished" in rescuer.log()
 
 
-def test_a_stale_token_never_changes_a_row(db: Database, workers: Workers) -> None:
-    """Deterministic: claim with the SQL layer, expire, let a real worker re-run it, then write with the old token."""
-    [job_id] = enqueue(db.engine, "record", max_attempts=5)
-    fence = claim_one(db)
-    expire(db, job_id)
-    worker = workers(db.url)
-    wait_for(lambda: all_settled(db.engine, [job_id]), 30, "the worker to reap and re-run the job")
-    assert worker.stop() == 0
+def stale_writes_change_nothing(db: Database, job_id: int, fence: tuple[int, str]) -> None:
     before = job(db.engine, job_id)
     sql = app.queue.sql(db.engine)
     with sql.write(db.engine) as conn:
@@ -89,6 +90,26 @@ def test_a_stale_token_never_changes_a_row(db: Database, workers: Workers) -> No
         assert not sql.dead_letter(conn, fence, "stale")
     assert job(db.engine, job_id) == before
     assert not dead(db.engine, job_id)
+
+
+def test_a_stale_token_never_changes_a_row(db: Database, workers: Workers) -> None:
+    """Deterministic: claim, expire, reap, re-claim (still running), then write with the old token; again after a
+    real worker re-ran the job."""
+    [job_id] = enqueue(db.engine, "record", max_attempts=5)
+    first = claim_one(db)
+    expire(db, job_id)
+    Worker(db.engine, app.queue)._reap()
+    second = claim_one(db)
+    assert job(db.engine, job_id).claim_token == second[1]
+    stale_writes_change_nothing(db, job_id, first)
+
+    expire(db, job_id)
+    worker = workers(db.url)
+    wait_for(lambda: all_settled(db.engine, [job_id]), 30, "the worker to reap and re-run the job")
+    assert worker.stop() == 0
+    assert job(db.engine, job_id).attempts == 3
+    stale_writes_change_nothing(db, job_id, first)
+    stale_writes_change_nothing(db, job_id, second)
     check_invariants(db.engine, [job_id], workers.logs())
 
 

@@ -155,6 +155,23 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
                 m.state, m.token, m.expired = "pending", None, False
                 m.attempts -= 1
 
+        def superseded(self) -> list[Fence]:
+            """Old tokens of jobs that are running again under a newer claim: the dangerous case."""
+            return [f for f in self.fences if self.model[f[0]].state == "running" and not self.current(f)]
+
+        @precondition(lambda self: self.superseded())
+        @rule(index=st.integers(0, 1000), write=st.sampled_from(["finish", "heartbeat", "release", "dead_letter"]))
+        def write_with_superseded_token(self, index: int, write: str) -> None:
+            stale = self.superseded()
+            fence = stale[index % len(stale)]
+            writes = {
+                "finish": lambda conn: sql.finish(conn, [fence]),
+                "heartbeat": lambda conn: sql.heartbeat(conn, [fence], 60.0),
+                "release": lambda conn: sql.release(conn, fence, error="stale", attempt=1),
+                "dead_letter": lambda conn: sql.dead_letter(conn, fence, "stale"),
+            }
+            assert not self.fenced_write(fence, writes[write])
+
         @precondition(lambda self: any(m.state == "dead" for m in self.model.values()))
         @rule()
         def requeue(self) -> None:
