@@ -187,7 +187,7 @@ def check_invariants(engine: Engine, ids: Iterable[int], logs: Iterable[str] = (
         kind = rows[job_id].kind if job_id in rows else None
         if state == "finished" and kind in ("record", "sleep"):
             assert job_id in finish_effects, f"job {job_id} finished without its handler finishing"
-        if kind == "once" or once_rows.get(job_id):
+        if kind in ("once", "once_slow") or once_rows.get(job_id):
             expected = 1 if state == "finished" else 0
             assert once_rows.get(job_id, 0) == expected, (
                 f"once job {job_id} is {state} with {once_rows.get(job_id, 0)} Once row(s), expected {expected}")
