@@ -45,15 +45,23 @@ def test_connection_lost_between_claim_and_finish(pg: Database, workers: Workers
     url = pg.url if how == "pg_terminate_backend" else make_url(pg.url).set(port=proxy.port).render_as_string(
         hide_password=False)
     # A 60 s lease: the job must be finished by this worker after it reconnects, not recovered by expiry.
-    worker = workers(url, handler_url=pg.url, lease=60, heartbeat=0.5)
+    # One thread and a 20 s heartbeat: while the handler runs the worker sends nothing, so the first
+    # statement to hit the broken connection is the job's finish, which must be kept and retried.
+    # (No LISTEN thread: it would be the one to stumble on the dead connection; it has its own test.)
+    worker = workers(url, handler_url=pg.url, lease=60, heartbeat=20, concurrency=1, no_listen=True)
     [job_id] = enqueue(pg.engine, "record", {"sleep": 1.5})
     wait_for(lambda: effects(pg.engine, job_id, "start"), 30, "the handler to start")
     if how == "pg_terminate_backend":
         assert terminate_backends(pg.engine, worker) >= 1
     else:
+        # Hold the worker's traffic until its finish is on the wire, then reset.
+        proxy.stall()
+        wait_for(lambda: effects(pg.engine, job_id, "finish"), 30, "the handler to finish")
+        time.sleep(0.5)
         assert proxy.cut() >= 1
+        proxy.resume()
     wait_for(lambda: all_settled(pg.engine, [job_id]), 20, "the worker to reconnect and record the finish")
-    log = worker.log()
+    log = worker.log()  # the finish itself failed, was kept in memory and written after reconnecting
     assert "database error" in log and "database is back" in log
     row = job(pg.engine, job_id)
     assert (row.state, row.attempts) == ("finished", 1), "finished by the same worker, no retry"
