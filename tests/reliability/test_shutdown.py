@@ -47,19 +47,26 @@ def test_sigterm_gives_back_a_job_longer_than_the_grace_period(db: Database, wor
     assert [e.event for e in effects(db.engine, job_id)] == ["start", "start", "finish"]
 
 
-def test_sigterm_gives_back_a_transactional_job(pg: Database, workers: Workers, tmp_path: Path) -> None:
+def test_sigterm_with_a_transactional_job(db: Database, workers: Workers, tmp_path: Path) -> None:
+    """PostgreSQL: given back after the grace period, its uncommitted write rolled back, run again later.
+
+    SQLite: the handler's transaction holds the write lock, so the give-back waits for it and the job
+    finishes in that run (the grace period is stretched, nothing is lost or doubled).
+    """
     marker = tmp_path / "started"
-    [job_id] = enqueue(pg.engine, "once_slow", {"marker": str(marker), "sleep": 4.0})
-    worker = workers(pg.url, grace=0.5, lease=60, heartbeat=20)
+    [job_id] = enqueue(db.engine, "once_slow", {"marker": str(marker), "sleep": 3.0})
+    worker = workers(db.url, grace=0.5, lease=60, heartbeat=20)
     wait_for(lambda: Path(f"{marker}.1").exists(), 30, "the handler to start")
     worker.signal(signal.SIGTERM)
-    assert worker.wait(10) == 0
-    check_invariants(pg.engine, [job_id])  # pending, and the handler's uncommitted Once row is gone
-    assert job(pg.engine, job_id).state == "pending"
-
-    workers(pg.url, lease=60, heartbeat=20)
-    wait_for(lambda: all_settled(pg.engine, [job_id]), 20, "the given-back job to run again")
-    check_invariants(pg.engine, [job_id], workers.logs())  # exactly one Once row
+    assert worker.wait(40) == 0
+    check_invariants(db.engine, [job_id], workers.logs())  # Once row if and only if finished
+    if db.backend == "sqlite":
+        assert job(db.engine, job_id).state == "finished"
+        return
+    assert job(db.engine, job_id).state == "pending"
+    workers(db.url, lease=60, heartbeat=20)
+    wait_for(lambda: all_settled(db.engine, [job_id]), 20, "the given-back job to run again")
+    check_invariants(db.engine, [job_id], workers.logs())  # exactly one Once row
 
 
 def test_second_signal_exits_at_once_and_the_lease_covers_the_job(db: Database, workers: Workers) -> None:
