@@ -47,6 +47,7 @@ from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
 from .connection import harden
@@ -188,7 +189,7 @@ class Worker:
                     if db_failures:
                         log.warning("worker %s: database is back", self.name)
                     db_failures = 0
-                except (OperationalError, DBAPIError) as exc:
+                except (OperationalError, DBAPIError, PoolTimeout) as exc:  # PoolTimeout: handlers hold the pool
                     db_failures += 1
                     pause = min(30.0, 0.25 * 2 ** min(db_failures, 7))
                     db_retry_at = time.monotonic() + pause
@@ -353,7 +354,7 @@ class Worker:
                     given = self.sql.give_back(conn, [run.job.fence for run in live])
                 log.warning("worker %s: grace period over, gave %d running job(s) back to the queue",
                             self.name, given)
-        except (OperationalError, DBAPIError) as exc:
+        except (OperationalError, DBAPIError, PoolTimeout) as exc:
             log.warning("worker %s: could not give jobs back (%s); their leases will expire",
                         self.name, str(exc).splitlines()[0])
         for run in live:

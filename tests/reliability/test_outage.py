@@ -6,12 +6,15 @@ is lost and none stays stuck past its lease.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import Engine, make_url, text
+from sqlalchemy import Engine, create_engine, make_url, text
 
+from sqla_jobs import Worker
+from tests import app
 from tests.conftest import Database
 
 from .cluster import PrivateCluster
@@ -103,3 +106,23 @@ def test_server_restart_under_load(private_cluster: PrivateCluster, private_db: 
         assert worker.stop() == 0
     states = check_invariants(engine, ids, workers.logs())
     assert set(states.values()) == {"finished"}
+
+
+def test_pool_exhausted_by_transactional_handlers_does_not_kill_the_worker(pg: Database) -> None:
+    """Transactional handlers hold pool connections while they run; the control thread then waits for one.
+
+    A pool timeout during a heartbeat is a database outage like any other: back off, carry on.
+    """
+    engine = create_engine(pg.url, pool_size=2, max_overflow=0, pool_timeout=0.2)
+    try:
+        ids = enqueue(engine, "once", {"sleep": 1.0}, n=4)
+        worker = Worker(engine, app.queue, concurrency=2, lease=3, heartbeat=0.3, poll_interval=0.1, listen=False)
+        done: list[int] = []
+        runner = threading.Thread(target=lambda: done.append(worker.run(burst=True, install_signals=False)))
+        runner.start()
+        runner.join(60)
+        assert done == [0], "the worker died instead of backing off"
+        states = check_invariants(engine, ids)
+        assert set(states.values()) == {"finished"}
+    finally:
+        engine.dispose()
