@@ -16,8 +16,9 @@ unless the database URL already sets them::
     application_name     sqla-jobs worker <worker name>
 
 The server gets the same keepalive settings for its side of the socket
-(``tcp_keepalives_idle``/``_interval``/``_count``, ``tcp_user_timeout``,
-sent as ``-c`` options at connect), so a worker that vanishes in the middle
+(``tcp_keepalives_idle``/``_interval``/``_count``, ``tcp_user_timeout``, one
+``SET`` per new connection: not startup options, which PgBouncer rejects), so
+a worker that vanishes in the middle
 of a transaction has its session ended and its row locks released within
 about 30 seconds, and the reaper can take its jobs over.
 
@@ -68,12 +69,18 @@ def harden(engine: Engine, worker_name: str) -> None:
         for key, value in settings.items():
             if key not in given:
                 cparams.setdefault(key, value)
-        options = str(cparams.get("options") or "")
-        extra = [f"-c {key}={value}" for key, value in SERVER_SIDE.items() if key not in options]
-        cparams["options"] = " ".join([options, *extra]).strip()
+
+    def set_server_side(dbapi_connection: Any, connection_record: Any) -> None:
+        wanted = dict(SERVER_SIDE)
+        if dbapi_connection.info.server_version < 120000:  # tcp_user_timeout came in PostgreSQL 12
+            wanted.pop("tcp_user_timeout")
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("; ".join(f"SET {key} = {value}" for key, value in wanted.items()))
+        dbapi_connection.commit()  # psycopg opened a transaction for the SETs
 
     if not getattr(engine, "_sqla_jobs_hardened", False):
         event.listen(engine, "do_connect", add_settings)
+        event.listen(engine, "connect", set_server_side)
         engine._sqla_jobs_hardened = True  # type: ignore[attr-defined]
         # Idle pooled connections were opened without these settings: open fresh ones.
         engine.pool.dispose()
