@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,4 +94,3 @@ def private_db(private_cluster: cluster_mod.PrivateCluster, monkeypatch: pytest.
         app._engine = None
 
 
-Factory = Callable[..., WorkerProc]
