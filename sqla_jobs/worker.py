@@ -54,8 +54,10 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
+from .connection import harden
 from .context import JobContext, _current
 from .errors import ConfigError, JobCancel, JobSnooze
 from .queue import JobEvent, JobQueue
@@ -143,6 +145,7 @@ class Worker:
         #: Delete finished/cancelled jobs older than this many seconds (see _maybe_prune).
         self.prune_after = prune_after
         self._next_prune = 0.0
+        harden(engine, self.name)  # keepalives, timeouts, application_name: see connection.py
 
         self._wake = threading.Event()
         self._todo: stdlib_queue.SimpleQueue[Claimed | None] = stdlib_queue.SimpleQueue()
@@ -224,7 +227,7 @@ class Worker:
                     if db_failures:
                         log.warning("worker %s: database is back", self.name)
                     db_failures = 0
-                except (OperationalError, DBAPIError) as exc:
+                except (OperationalError, DBAPIError, PoolTimeout) as exc:  # PoolTimeout: handlers hold the pool
                     db_failures += 1
                     pause = min(30.0, 0.25 * 2 ** min(db_failures, 7))
                     db_retry_at = time.monotonic() + pause
@@ -487,7 +490,7 @@ class Worker:
                     given = self.sql.give_back(conn, [run.job.fence for run in live])
                 log.warning("worker %s: grace period over, gave %d running job(s) back to the queue",
                             self.name, given)
-        except (OperationalError, DBAPIError) as exc:
+        except (OperationalError, DBAPIError, PoolTimeout) as exc:
             log.warning("worker %s: could not give jobs back (%s); their leases will expire",
                         self.name, str(exc).splitlines()[0])
         for run in live:
@@ -583,7 +586,7 @@ class Worker:
             conn = None
             try:
                 raw = self.engine.raw_connection()
-                conn = raw.driver_connection
+                conn = raw.driver_connection  # before detach(): after it the pool entry no longer knows it
                 raw.detach()  # a long-lived LISTEN connection does not belong in the pool
                 conn.autocommit = True  # type: ignore[union-attr]
                 conn.execute(f'LISTEN "{self.sql.channel}"')  # type: ignore[union-attr]

@@ -174,3 +174,27 @@ def rendezvous(payload: dict[str, Any]) -> None:
     with _lock:
         barrier = _barriers.setdefault(payload["parties"], threading.Barrier(payload["parties"], timeout=10))
     barrier.wait()
+
+
+@queue.handler("once_slow", transactional=True)
+def once_slow(payload: dict[str, Any]) -> None:
+    """Exactly-once with its write already sent to the database, then a pause to crash in.
+
+    Marks its start by creating ``payload["marker"]`` (a file, not a row: on
+    SQLite the handler's transaction holds the write lock while it runs).
+    """
+    job = current_job()
+    assert job.session is not None
+    job.session.add(Once(job_id=job.id))
+    job.session.flush()
+    with open(f"{payload['marker']}.{job.attempt}", "w"):
+        pass
+    time.sleep(payload.get("sleep", 0))
+
+
+@queue.handler("relay")
+def relay(payload: dict[str, Any]) -> None:
+    """Like ``record``, sleeping ``first`` seconds on attempt 1 and ``later`` on the others."""
+    record("start")
+    time.sleep(payload["first"] if current_job().attempt == 1 else payload["later"])
+    record("finish")

@@ -1,0 +1,86 @@
+"""How a worker's PostgreSQL connections notice a dead network instead of hanging.
+
+A worker waits on its database socket for every claim, heartbeat and finish.
+If the network between it and PostgreSQL dies silently (a host vanishes, a
+firewall drops the flow, no RST ever arrives), a plain connection waits on
+that socket for hours: the worker neither works nor exits. So on PostgreSQL
+(psycopg) the worker gives every connection it opens these libpq settings,
+unless the database URL already sets them::
+
+    connect_timeout      10      seconds to establish a connection
+    keepalives           1       TCP keepalive probes on idle connections
+    keepalives_idle      10      seconds idle before the first probe
+    keepalives_interval  5       seconds between probes
+    keepalives_count     3       unanswered probes before the socket is dead
+    tcp_user_timeout     30000   ms that sent data may stay unacknowledged
+    application_name     sqla-jobs worker <worker name>
+
+The server gets the same keepalive settings for its side of the socket
+(``tcp_keepalives_idle``/``_interval``/``_count``, ``tcp_user_timeout``, one
+``SET`` per new connection: not startup options, which PgBouncer rejects), so
+a worker that vanishes in the middle
+of a transaction has its session ended and its row locks released within
+about 30 seconds, and the reaper can take its jobs over.
+
+With these a dead peer is detected within about 30 seconds; the query fails
+with an OperationalError, the control loop backs off and reconnects, and
+whatever the worker had claimed meanwhile is covered by its lease (another
+worker takes it over; the stale worker's late writes are fenced off).
+``application_name`` shows the worker in ``pg_stat_activity``. Override any
+of them in the URL, e.g. ``...?keepalives_idle=30&application_name=billing``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Engine, event
+
+__all__ = ["DEFAULTS", "SERVER_SIDE", "harden"]
+
+DEFAULTS: dict[str, int] = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+
+#: The server's side of the same socket (PostgreSQL settings, per session).
+SERVER_SIDE: dict[str, int] = {
+    "tcp_keepalives_idle": 10,
+    "tcp_keepalives_interval": 5,
+    "tcp_keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
+
+
+def harden(engine: Engine, worker_name: str) -> None:
+    """Give ``engine``'s new psycopg connections the settings above (PostgreSQL only; no-op elsewhere)."""
+    if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
+        return
+    settings: dict[str, Any] = {**DEFAULTS, "application_name": f"sqla-jobs worker {worker_name}"[:63]}
+
+    # The URL's query becomes the DSN, not keyword arguments: read both so the user's values win.
+    given = set(engine.url.query)
+
+    def add_settings(dialect: Any, conn_rec: Any, cargs: Any, cparams: dict[str, Any]) -> None:
+        for key, value in settings.items():
+            if key not in given:
+                cparams.setdefault(key, value)
+
+    def set_server_side(dbapi_connection: Any, connection_record: Any) -> None:
+        wanted = dict(SERVER_SIDE)
+        if dbapi_connection.info.server_version < 120000:  # tcp_user_timeout came in PostgreSQL 12
+            wanted.pop("tcp_user_timeout")
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("; ".join(f"SET {key} = {value}" for key, value in wanted.items()))
+        dbapi_connection.commit()  # psycopg opened a transaction for the SETs
+
+    if not getattr(engine, "_sqla_jobs_hardened", False):
+        event.listen(engine, "do_connect", add_settings)
+        event.listen(engine, "connect", set_server_side)
+        engine._sqla_jobs_hardened = True  # type: ignore[attr-defined]
+        # Idle pooled connections were opened without these settings: open fresh ones.
+        engine.pool.dispose()

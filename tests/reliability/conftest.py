@@ -1,0 +1,96 @@
+"""Fixtures of the fault-injection suite: worker subprocesses, a private PostgreSQL cluster."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import create_engine, make_url, text
+
+from tests import app
+from tests.conftest import IN_CI, Database
+
+from . import cluster as cluster_mod
+from .harness import WorkerProc
+
+
+class Workers:
+    """Starts worker subprocesses; at teardown kills whatever is left and keeps every log."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.started: list[WorkerProc] = []
+
+    def __call__(self, url: str, handler_url: str | None = None, **options: Any) -> WorkerProc:
+        worker = WorkerProc(url, self.tmp_path / f"worker-{len(self.started)}.log", options, handler_url)
+        self.started.append(worker.start())
+        return worker
+
+    def logs(self) -> list[str]:
+        return [w.log() for w in self.started]
+
+    def all_logs(self) -> str:
+        return "\n".join(f"--- worker {w.pid} ---\n{w.log()}" for w in self.started)
+
+    def kill_all(self) -> None:
+        for worker in self.started:
+            if worker.alive():
+                worker.signal(signal.SIGKILL)
+                worker.wait(10)
+
+
+@pytest.fixture
+def workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Workers]:
+    pool = Workers(tmp_path)
+    yield pool
+    pool.kill_all()
+    report = request.node.stash.get(_failed, False)
+    if report:
+        print(pool.all_logs())
+
+
+_failed = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> Any:
+    report = yield
+    if report.when == "call" and report.failed:
+        item.stash[_failed] = True
+    return report
+
+
+@pytest.fixture(scope="session")
+def private_cluster() -> Iterator[cluster_mod.PrivateCluster]:
+    """A throwaway PostgreSQL server this suite may restart (never the shared one)."""
+    problem = cluster_mod.unavailable()
+    if problem:
+        if IN_CI:
+            pytest.fail(f"the server-restart test must run in CI: {problem}")
+        pytest.skip(f"cannot start a private PostgreSQL cluster: {problem}")
+    server = cluster_mod.PrivateCluster()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture
+def private_db(private_cluster: cluster_mod.PrivateCluster, monkeypatch: pytest.MonkeyPatch) -> Iterator[Database]:
+    """The test app's tables on the private cluster."""
+    url = make_url(private_cluster.url).render_as_string(hide_password=False)
+    engine = create_engine(url, pool_pre_ping=True)
+    with engine.begin() as conn:
+        conn.execute(text("DROP SCHEMA public CASCADE"))
+        conn.execute(text("CREATE SCHEMA public"))
+    app.Base.metadata.create_all(engine)
+    monkeypatch.setenv("SQLA_JOBS_URL", url)
+    app._engine = None
+    yield Database("postgresql", url, engine)
+    engine.dispose()
+    if app._engine is not None:
+        app._engine.dispose()
+        app._engine = None
+
+

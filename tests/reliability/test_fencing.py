@@ -1,0 +1,210 @@
+"""Fencing: a worker that lost its claim changes nothing; the reaper and a completion never both win.
+
+Also the per-kind timeout, whose abandoned run is fenced off the same way.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import create_engine, make_url, text, update
+
+from sqla_jobs import Worker
+from sqla_jobs.connection import SERVER_SIDE
+from tests import app
+from tests.conftest import Database
+
+from .conftest import Workers
+from .harness import all_settled, check_invariants, dead, effects, enqueue, job, wait_for
+from .proxy import TcpProxy
+
+pytestmark = pytest.mark.slow
+
+
+def claim_one(db: Database, lease: float = 60.0) -> tuple[int, str]:
+    sql = app.queue.sql(db.engine)
+    token = uuid.uuid4().hex
+    with sql.write(db.engine) as conn:
+        [claimed] = sql.claim(conn, 1, "test", token, lease, None)
+    return claimed.fence
+
+
+def expire(db: Database, job_id: int) -> None:
+    """Move a lease into the past with the database's own clock arithmetic."""
+    sql = app.queue.sql(db.engine)
+    with db.engine.begin() as conn:
+        conn.execute(update(app.Job).where(app.Job.id == job_id).values(lease_expires_at=sql.later(-5)))
+
+
+@pytest.fixture
+def proxy(pg: Database) -> Iterator[TcpProxy]:
+    url = make_url(pg.url)
+    server = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    yield server
+    server.close()
+
+
+def via(proxy: TcpProxy, db: Database) -> str:
+    return make_url(db.url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+
+
+def test_stale_worker_result_is_discarded_not_applied(pg: Database, workers: Workers, proxy: TcpProxy) -> None:
+    """Worker A is cut off (stalled, not closed) mid-job; B takes over after the lease; A's late finish is fenced.
+
+    A comes back while B is still running the job: a finish fenced by job id
+    alone would mark B's run finished under it.
+    """
+    [job_id] = enqueue(pg.engine, "relay", {"first": 0.3, "later": 3.0})
+    stale = workers(via(proxy, pg), handler_url=pg.url, no_listen=True)
+    wait_for(lambda: effects(pg.engine, job_id, "start"), 30, "A to start the job")
+    proxy.stall()
+    wait_for(lambda: effects(pg.engine, job_id, "finish"), 30, "A's handler to finish (its result held back)")
+    rescuer = workers(pg.url)
+    wait_for(lambda: len(effects(pg.engine, job_id, "start")) == 2, 30, "B to take the job over")
+    proxy.resume()
+    wait_for(lambda: "result discarded" in stale.log(), 30, "A to discard its stale result")
+    row = job(pg.engine, job_id)
+    assert (row.state, row.attempts) == ("running", 2), "A's stale finish must not touch B's run"
+    wait_for(lambda: all_settled(pg.engine, [job_id]), 30, "B to finish the job")
+    assert stale.alive() and rescuer.alive()
+    assert stale.stop() == 0 and rescuer.stop() == 0
+    check_invariants(pg.engine, [job_id], workers.logs())
+    row = job(pg.engine, job_id)
+    assert (row.state, row.attempts) == ("finished", 2)
+    assert "WorkerLost" in row.errors[0]["error"]
+    assert f"job {job_id} relay attempt 1/" in stale.log() and "claim lost" in stale.log()
+    assert f"job {job_id} relay attempt 2/5" in rescuer.log() and "finished" in rescuer.log()
+
+
+def stale_writes_change_nothing(db: Database, job_id: int, fence: tuple[int, str]) -> None:
+    before = job(db.engine, job_id)
+    sql = app.queue.sql(db.engine)
+    with sql.write(db.engine) as conn:
+        assert sql.finish(conn, [fence]) == set()
+        assert sql.heartbeat(conn, [fence], 60) == set()
+        assert not sql.release(conn, fence, error="stale", attempt=1)
+        assert not sql.release(conn, fence, refund=True)
+        assert not sql.dead_letter(conn, fence, "stale")
+    assert job(db.engine, job_id) == before
+    assert not dead(db.engine, job_id)
+
+
+def test_a_stale_token_never_changes_a_row(db: Database, workers: Workers) -> None:
+    """Deterministic: claim, expire, reap, re-claim (still running), then write with the old token; again after a
+    real worker re-ran the job."""
+    [job_id] = enqueue(db.engine, "record", max_attempts=5)
+    first = claim_one(db)
+    expire(db, job_id)
+    Worker(db.engine, app.queue)._reap()
+    second = claim_one(db)
+    assert job(db.engine, job_id).claim_token == second[1]
+    stale_writes_change_nothing(db, job_id, first)
+
+    expire(db, job_id)
+    worker = workers(db.url)
+    wait_for(lambda: all_settled(db.engine, [job_id]), 30, "the worker to reap and re-run the job")
+    assert worker.stop() == 0
+    assert job(db.engine, job_id).attempts == 3
+    stale_writes_change_nothing(db, job_id, first)
+    stale_writes_change_nothing(db, job_id, second)
+    check_invariants(db.engine, [job_id], workers.logs())
+
+
+def test_reaper_never_touches_a_live_lease(db: Database) -> None:
+    [job_id] = enqueue(db.engine, "record", max_attempts=1)
+    fence = claim_one(db, lease=60)
+    Worker(db.engine, app.queue)._reap()
+    assert job(db.engine, job_id).state == "running" and not dead(db.engine, job_id)
+    expire(db, job_id)
+    Worker(db.engine, app.queue)._reap()
+    assert "WorkerLost" in dead(db.engine, job_id).last_error, "last attempt lost: dead-lettered, not re-run"
+    sql = app.queue.sql(db.engine)
+    with sql.write(db.engine) as conn:
+        assert sql.finish(conn, [fence]) == set()
+    check_invariants(db.engine, [job_id])
+
+
+def test_reaper_racing_a_completion_only_one_wins(pg: Database) -> None:
+    """Both orders, with real row locks held open: the loser's write changes nothing."""
+    sql = app.queue.sql(pg.engine)
+    # 1. The completion holds the row: the reaper skips it; the completion commits.
+    [first] = enqueue(pg.engine, "noop")
+    fence = claim_one(pg)
+    expire(pg, first)
+    with pg.engine.connect() as finishing:
+        assert sql.finish(finishing, [fence]) == {first}  # row locked, not committed yet
+        reaper = threading.Thread(target=Worker(pg.engine, app.queue)._reap)
+        reaper.start()
+        reaper.join(10)
+        assert not reaper.is_alive(), "the reaper must skip a locked row, not wait for it"
+        finishing.commit()
+    assert job(pg.engine, first).state == "finished"
+
+    # 2. The reaper holds the row: the completion waits, then finds the claim gone.
+    [second] = enqueue(pg.engine, "noop")
+    fence = claim_one(pg)
+    expire(pg, second)
+    outcome: list[set[int]] = []
+
+    def finish() -> None:
+        with sql.write(pg.engine) as conn:
+            outcome.append(sql.finish(conn, [fence]))
+
+    with sql.write(pg.engine) as reaping:
+        [row] = sql.expired(reaping)
+        assert sql.release(reaping, (row.id, row.claim_token), error="WorkerLost: test", attempt=row.attempts)
+        finisher = threading.Thread(target=finish)
+        finisher.start()
+        finisher.join(0.5)
+        assert finisher.is_alive(), "the completion must wait for the reaper's lock"
+    finisher.join(10)
+    assert outcome == [set()], "the completion lost the race and changed nothing"
+    assert job(pg.engine, second).state == "pending"
+    check_invariants(pg.engine, [first, second])
+
+
+def test_hanging_handler_times_out_and_its_late_result_is_fenced(db: Database, workers: Workers) -> None:
+    [job_id] = enqueue(db.engine, "hang", {"seconds": 2.0}, max_attempts=2)
+    worker = workers(db.url, concurrency=2)
+    wait_for(lambda: dead(db.engine, job_id), 30, "two timeouts to dead-letter the job")
+    row = dead(db.engine, job_id)
+    assert "TimeoutError" in row.last_error and row.attempts == 2
+    assert [e["error"].split(":")[0] for e in row.errors] == ["TimeoutError", "TimeoutError"]
+    wait_for(lambda: worker.log().count("result (ok) discarded") == 2, 30, "the hung handlers to return")
+    assert len(effects(db.engine, job_id, "finish")) == 2  # they did finish, late: their side effects happened
+    assert worker.stop() == 0
+    check_invariants(db.engine, [job_id], workers.logs())
+
+
+def test_worker_connections_carry_keepalives_and_a_name(pg: Database, workers: Workers) -> None:
+    worker = workers(pg.url)
+    wait_for(lambda: "started" in worker.log(), 30, "the worker to start")
+    with pg.engine.connect() as conn:
+        names = wait_for(lambda: conn.execute(text(
+            "select application_name from pg_stat_activity where application_name like :p"),
+            {"p": f"sqla-jobs worker %:{worker.pid}:%"}).scalars().all(), 10, "the worker's connections")
+    assert names
+    assert worker.stop() == 0
+
+
+def test_worker_connections_detect_a_dead_peer(pg: Database) -> None:
+    """Client and server keepalives and timeouts are on, so a silent network death ends in an error, not a hang."""
+    engine = create_engine(make_url(pg.url).update_query_dict({"keepalives_idle": "30"}))
+    try:
+        Worker(engine, app.queue, name="keepalive-test")
+        with engine.connect() as conn:
+            params = conn.connection.driver_connection.info.get_parameters()
+            server = {name: conn.execute(text(f"show {name}")).scalar_one() for name in SERVER_SIDE}
+            schema = conn.execute(text("show search_path")).scalar_one()
+        assert params["keepalives"] == "1" and params["tcp_user_timeout"] == "30000"
+        assert params["connect_timeout"] == "10"
+        assert params["keepalives_idle"] == "30", "a value given in the URL wins"
+        assert params["application_name"] == "sqla-jobs worker keepalive-test"
+        assert server == {"tcp_keepalives_idle": "10", "tcp_keepalives_interval": "5",
+                          "tcp_keepalives_count": "3", "tcp_user_timeout": "30000"}
+        assert schema == pg.schema, "the URL's own options are kept"
+    finally:
+        engine.dispose()

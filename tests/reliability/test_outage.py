@@ -1,0 +1,128 @@
+"""Database outages: a killed connection, a reset network, the LISTEN connection lost, a server restart.
+
+Workers must log, back off, reconnect and carry on without a restart; no job
+is lost and none stays stuck past its lease.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+from sqlalchemy import Engine, create_engine, make_url, text
+
+from sqla_jobs import Worker
+from tests import app
+from tests.conftest import Database
+
+from .cluster import PrivateCluster
+from .conftest import Workers
+from .harness import WorkerProc, all_settled, check_invariants, effects, enqueue, job, wait_for
+from .proxy import TcpProxy
+
+pytestmark = pytest.mark.slow
+
+
+def terminate_backends(engine: Engine, worker: WorkerProc) -> int:
+    """pg_terminate_backend on every connection the worker process opened (found by application_name)."""
+    with engine.connect() as conn:
+        killed = conn.execute(
+            text("select pg_terminate_backend(pid) from pg_stat_activity where application_name like :name"),
+            {"name": f"sqla-jobs worker %:{worker.pid}:%"},
+        ).scalars().all()
+    return len(killed)
+
+
+@pytest.fixture
+def proxy(pg: Database) -> Iterator[TcpProxy]:
+    url = make_url(pg.url)
+    server = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    yield server
+    server.close()
+
+
+@pytest.mark.parametrize("how", ["pg_terminate_backend", "network reset"])
+def test_connection_lost_between_claim_and_finish(pg: Database, workers: Workers, proxy: TcpProxy, how: str) -> None:
+    url = pg.url if how == "pg_terminate_backend" else make_url(pg.url).set(port=proxy.port).render_as_string(
+        hide_password=False)
+    # A 60 s lease: the job must be finished by this worker after it reconnects, not recovered by expiry.
+    # One thread and a 20 s heartbeat: while the handler runs the worker sends nothing, so the first
+    # statement to hit the broken connection is the job's finish, which must be kept and retried.
+    # (No LISTEN thread: it would be the one to stumble on the dead connection; it has its own test.)
+    worker = workers(url, handler_url=pg.url, lease=60, heartbeat=20, concurrency=1, no_listen=True)
+    [job_id] = enqueue(pg.engine, "record", {"sleep": 1.5})
+    wait_for(lambda: effects(pg.engine, job_id, "start"), 30, "the handler to start")
+    if how == "pg_terminate_backend":
+        assert terminate_backends(pg.engine, worker) >= 1
+    else:
+        # Hold the worker's traffic until its finish is on the wire, then reset.
+        proxy.stall()
+        wait_for(lambda: effects(pg.engine, job_id, "finish"), 30, "the handler to finish")
+        time.sleep(0.5)
+        assert proxy.cut() >= 1
+        proxy.resume()
+    wait_for(lambda: all_settled(pg.engine, [job_id]), 20, "the worker to reconnect and record the finish")
+    log = worker.log()  # the finish itself failed, was kept in memory and written after reconnecting
+    assert "database error" in log and "database is back" in log
+    row = job(pg.engine, job_id)
+    assert (row.state, row.attempts) == ("finished", 1), "finished by the same worker, no retry"
+
+    more = enqueue(pg.engine, "record", n=5)
+    wait_for(lambda: all_settled(pg.engine, more), 20, "the worker to carry on")
+    assert worker.stop() == 0
+    check_invariants(pg.engine, [job_id, *more], workers.logs())
+
+
+def test_listen_connection_recovers(pg: Database, workers: Workers) -> None:
+    # Long heartbeat and poll: within seconds, only a NOTIFY on a LISTEN connection can wake the worker.
+    worker = workers(pg.url, lease=90, heartbeat=30, poll_interval=30)
+    wait_for(lambda: "started" in worker.log(), 30, "the worker to start")
+    [warm] = enqueue(pg.engine, "record")
+    wait_for(lambda: all_settled(pg.engine, [warm]), 10, "a NOTIFY to wake the worker")
+    assert terminate_backends(pg.engine, worker) >= 1
+    wait_for(lambda: "LISTEN connection failed" in worker.log(), 10, "the LISTEN thread to notice")
+    time.sleep(2.5)  # its first reconnect comes after 1 s
+    [job_id] = enqueue(pg.engine, "record")
+    wait_for(lambda: all_settled(pg.engine, [job_id]), 10, "a NOTIFY on the re-established LISTEN connection")
+    assert worker.stop() == 0
+    check_invariants(pg.engine, [warm, job_id], workers.logs())
+
+
+def test_server_restart_under_load(private_cluster: PrivateCluster, private_db: Database, workers: Workers) -> None:
+    engine = private_db.engine
+    pool = [workers(private_db.url, concurrency=3) for _ in range(2)]
+    ids = enqueue(engine, "record", {"sleep": 0.1}, n=60, max_attempts=10)
+    wait_for(lambda: len(effects(engine, event="finish")) >= 10, 30, "the workers to get going")
+    private_cluster.stop("fast")
+    time.sleep(3)  # longer than the 2 s lease: running jobs' leases expire meanwhile
+    private_cluster.start()
+    ids += enqueue(engine, "record", n=10, max_attempts=10)
+    wait_for(lambda: all_settled(engine, ids), 90, "every job to finish after the restart")
+    for worker in pool:
+        assert worker.alive(), "a worker died instead of reconnecting"
+        assert "database is back" in worker.log()
+        assert worker.stop() == 0
+    states = check_invariants(engine, ids, workers.logs())
+    assert set(states.values()) == {"finished"}
+
+
+def test_pool_exhausted_by_transactional_handlers_does_not_kill_the_worker(pg: Database) -> None:
+    """Transactional handlers hold pool connections while they run; the control thread then waits for one.
+
+    A pool timeout during a heartbeat is a database outage like any other: back off, carry on.
+    """
+    engine = create_engine(pg.url, pool_size=2, max_overflow=0, pool_timeout=0.2)
+    try:
+        ids = enqueue(engine, "once", {"sleep": 1.0}, n=4)
+        worker = Worker(engine, app.queue, concurrency=2, lease=3, heartbeat=0.3, poll_interval=0.1, listen=False)
+        done: list[int] = []
+        runner = threading.Thread(target=lambda: done.append(worker.run(burst=True, install_signals=False)))
+        runner.start()
+        runner.join(60)
+        assert done == [0], "the worker died instead of backing off"
+        states = check_invariants(engine, ids)
+        assert set(states.values()) == {"finished"}
+    finally:
+        engine.dispose()
