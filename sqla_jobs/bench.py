@@ -2,7 +2,7 @@
 
 ::
 
-    sqla-jobs bench --url postgresql+psycopg://user@host/db --jobs 10000 --concurrency 8 --processes 2
+    sqla-jobs bench --url postgresql+psycopg://user@host/db --jobs 10000 --concurrency 64 --processes 2
 
 It creates its own tables (PostgreSQL: a scratch schema ``sqla_jobs_bench_<pid>``,
 dropped at the end; SQLite: a scratch file beside the one in ``--url``) and
@@ -30,6 +30,7 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -287,7 +288,7 @@ def run_bench(args: argparse.Namespace, make_engine: Callable[[str], Engine]) ->
                 record("pickup p50 (ms)", _pct(lat, 50))
                 record("pickup p95 (ms)", _pct(lat, 95))
                 record("pickup p99 (ms)", _pct(lat, 99))
-            print(f"run {run + 1}/{args.runs} done", flush=True)
+            print(f"run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
         engine.dispose()
     summary = {name: statistics.median(values) for name, values in results.items()}
     summary["one-per-transaction vs raw SQL"] = (

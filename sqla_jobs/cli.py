@@ -502,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure enqueue, drain and pickup latency on a scratch schema or file")
     _common(p, app=False)
     p.add_argument("--jobs", type=int, default=10_000, help="jobs per measurement (default 10000)")
-    p.add_argument("--concurrency", type=int, default=8, help="threads per worker process (default 8)")
+    p.add_argument("--concurrency", type=int, default=64, help="threads per worker process (default 64)")
     p.add_argument("--processes", type=int, default=2, help="worker processes for the drain (default 2)")
     p.add_argument("--batch-size", type=int, default=100, help="most jobs one claim takes (default 100)")
     p.add_argument("--runs", type=int, default=3, help="repeat and report medians (default 3)")
