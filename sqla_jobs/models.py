@@ -281,6 +281,12 @@ class JobMixin(_Common):
     def __table_args__(self) -> Any:
         return (*self.job_indexes(), {"sqlite_autoincrement": True})
 
+    @declared_attr.directive
+    def __mapper_args__(self) -> Any:
+        # Don't read the 14 server-defaulted columns back with every INSERT: an
+        # enqueuing request rarely looks at them, and they load on first access.
+        return {"eager_defaults": False}
+
     @classmethod
     def job_indexes(cls) -> list[Index]:
         """The indexes the queue needs, named after this class's table."""
