@@ -5,7 +5,7 @@ finished jobs spread over the last 7 days, 10,000 pending (half due, half
 scheduled), 100 running and 1,000 dead; then prints the median time of
 several ``stats`` calls and the plans of its queries::
 
-    python scripts/measure_stats.py [postgresql+psycopg://postgres@127.0.0.1:5432/test] [--runs 11]
+    python docs/bench/measure_stats.py [postgresql+psycopg://postgres@127.0.0.1:5432/test] [--runs 11]
 """
 
 from __future__ import annotations
