@@ -462,6 +462,13 @@ class SQL:
             return False
         message = truncate(error)
         errors = [*(row.errors or []), {"attempt": row.attempts, "at": _utcnow(), "error": message}]
+        # A dead row with this id can only exist if ids were reused (a SQLite table rebuilt without
+        # AUTOINCREMENT). Failing here would retry forever; replace it, and keep a note of it.
+        d = self.dead
+        older = conn.execute(delete(d).where(d.c.id == row.id).returning(d.c.kind, d.c.last_error)).first()
+        if older is not None:
+            note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
+            errors.insert(0, {"attempt": None, "at": _utcnow(), "error": truncate(note)})
         conn.execute(
             insert(self.dead).values(
                 id=row.id,

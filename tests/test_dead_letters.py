@@ -93,3 +93,19 @@ def test_requeue_needs_a_selection(db: Database) -> None:
 
 def test_requeue_nothing_of_that_kind(db: Database) -> None:
     assert requeue(db, kind="nothing_dead") == []
+
+
+def test_dead_letter_replaces_a_stale_dead_row_with_the_same_id(db: Database) -> None:
+    """Reused ids (a SQLite table rebuilt without AUTOINCREMENT) must not wedge the worker."""
+    from sqlalchemy import insert
+
+    job_id = enqueue(db.engine, "fail", {"message": "new failure"}, max_attempts=1)
+    with db.engine.begin() as conn:
+        conn.execute(insert(app.DeadJob).values(id=job_id, kind="older_kind", payload={}, last_error="old failure"))
+    run_burst(db.engine)
+    with Session(db.engine) as session:
+        row = session.get(app.DeadJob, job_id)
+        assert row is not None and row.kind == "fail"
+        assert row.last_error == "ValueError: new failure"
+        assert row.errors is not None and "older_kind" in row.errors[0]["error"]
+        assert "old failure" in row.errors[0]["error"]
