@@ -9,7 +9,8 @@ from sqla_jobs.alembic import app_metadata, configure_options, database_url
 
 config = context.config
 if config.config_file_name is not None:
-    fileConfig(config.config_file_name)
+    # Keep loggers that already exist (the app's, sqla-jobs') working when migrations run in-process.
+    fileConfig(config.config_file_name, disable_existing_loggers=False)
 
 # Your models' MetaData: the one your JobMixin/DeadJobMixin classes and your
 # other models share. By default, the MetaData of the JobQueue named by
