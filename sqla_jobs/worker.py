@@ -517,7 +517,13 @@ class Worker:
                     loop = asyncio.new_event_loop()
                 outcome = self._execute(run, loop)
             self._done.put((run, outcome))
-            self._wake.set()
+            # Wake the control loop when there is something to do, not after every job: the
+            # first outcome starts its flush timer (flush_interval), and a failure, half the
+            # threads done (enough to claim a batch) or all of them done calls for a turn now.
+            waiting = self._done.qsize()
+            if (waiting == 1 or outcome.result != "ok" or waiting * 2 >= self.concurrency
+                    or waiting >= self._live_count):
+                self._wake.set()
 
     def _execute(self, run: _Run, loop: asyncio.AbstractEventLoop | None) -> _Outcome:
         job, ctx = run.job, run.ctx
