@@ -199,6 +199,25 @@ def supervise(args: argparse.Namespace) -> int:
     return status
 
 
+def _open(args: argparse.Namespace) -> tuple[JobQueue[Any, Any], Engine]:
+    queue = load_app(args.app)
+    engine = make_engine(args.url)
+    queue.check_schema(engine)
+    return queue, engine
+
+
+def _row_dict(row: Any) -> dict[str, Any]:
+    return dict(row._mapping)
+
+
+def _print_json(data: Any) -> None:
+    print(json.dumps(data, indent=2, default=str))
+
+
+def _first_line(text: str | None, width: int = 80) -> str:
+    return (text or "").splitlines()[0][:width] if text else ""
+
+
 def cmd_create_tables(args: argparse.Namespace) -> int:
     queue = load_app(args.app)
     engine = make_engine(args.url)
@@ -209,14 +228,12 @@ def cmd_create_tables(args: argparse.Namespace) -> int:
 
 
 def cmd_dead_list(args: argparse.Namespace) -> int:
-    queue = load_app(args.app)
-    engine = make_engine(args.url)
-    queue.check_schema(engine)
+    queue, engine = _open(args)
     since = parse_duration(args.since) if args.since else None
     with Session(engine) as session:
         rows = queue.list_dead(session, kind=args.kind, since=since, limit=args.limit)
     if args.json:
-        print(json.dumps([_dead_dict(r) for r in rows], indent=2, default=str))
+        _print_json([_dead_dict(r) for r in rows])
         return 0
     if not rows:
         print("no dead jobs" + (f" of kind {args.kind!r}" if args.kind else ""))
@@ -238,9 +255,7 @@ def _dead_dict(r: Any) -> dict[str, Any]:
 def cmd_dead_retry(args: argparse.Namespace) -> int:
     if not (args.ids or args.kind or args.all):
         raise ConfigError("dead retry needs job ids, --kind KIND or --all")
-    queue = load_app(args.app)
-    engine = make_engine(args.url)
-    queue.check_schema(engine)
+    queue, engine = _open(args)
     with Session(engine) as session, session.begin():
         moved = queue.requeue_dead(session, ids=args.ids or None, kind=args.kind, everything=args.all)
     print(f"requeued {len(moved)} job(s)" + (f": {', '.join(map(str, moved))}" if moved else ""))
@@ -254,25 +269,6 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 # -- stats, jobs, dead-letter admin, prune, health (docs/howto/operations.md) ----------
-
-
-def _open(args: argparse.Namespace) -> tuple[JobQueue[Any, Any], Engine]:
-    queue = load_app(args.app)
-    engine = make_engine(args.url)
-    queue.check_schema(engine)
-    return queue, engine
-
-
-def _row_dict(row: Any) -> dict[str, Any]:
-    return dict(row._mapping)
-
-
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
-
-
-def _first_line(text: str | None, width: int = 80) -> str:
-    return (text or "").splitlines()[0][:width] if text else ""
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

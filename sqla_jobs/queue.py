@@ -38,14 +38,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Connection, Engine, text
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
-from sqlalchemy.schema import CreateIndex
 
 from .backoff import Backoff
 from .errors import ConfigError, InvalidJob, JobStateError, NotFound
 from .models import STATES, DeadJobMixin, JobMixin, check_row
-from .sql import SQL, notify_trigger_ddl
+from .sql import SQL
 from .stats import QueueStats, collect
 
 __all__ = ["EVENTS", "Handler", "JobEvent", "JobQueue"]
@@ -200,18 +199,8 @@ class JobQueue(Generic[J, D]):
         Existing tables are not altered otherwise: a column added by a newer
         sqla-jobs needs a migration (see docs/howto/migrations.md).
         """
-        tables = [self.job_model.__table__, self.dead_model.__table__]  # type: ignore[attr-defined]
         with engine.begin() as conn:
-            for schema in {t.schema for t in tables if t.schema}:
-                if engine.dialect.name == "postgresql":
-                    conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{schema}"'))
-            for table in tables:
-                table.create(conn, checkfirst=True)
-                for index in table.indexes:  # tables made by an older sqla-jobs may lack an index added since
-                    conn.execute(CreateIndex(index, if_not_exists=True))
-            sql = self.sql(conn)
-            if sql.postgres and not sql.has_notify_trigger(conn):  # tables made without it (or before it existed)
-                conn.execute(text(notify_trigger_ddl(self.job_model.__table__)[0]))  # type: ignore[attr-defined]
+            self.sql(conn).create(conn)
         self.sql(engine).prepare(engine)
 
     def check_schema(self, engine: Engine) -> None:

@@ -57,6 +57,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.schema import CreateIndex, CreateSchema
 from sqlalchemy.sql.elements import ColumnElement
 
 from .errors import SchemaError
@@ -130,12 +131,19 @@ WITH done AS (
     SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
         claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
     FROM due WHERE j.id = due.id
-    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority
+    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at
 )
-SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority FROM claimed
+SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at FROM claimed
 UNION ALL
-SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL FROM done
+SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
 """
+
+
+def _pg_name(table: Table) -> str:
+    """The table's name as PostgreSQL wants it in hand-written SQL: quoted where needed, with its schema."""
+    from sqlalchemy.dialects import postgresql
+
+    return str(postgresql.dialect().identifier_preparer.format_table(table))
 
 
 def notify(conn: Connection, table: Table) -> None:
@@ -159,7 +167,7 @@ def notify_trigger_ddl(table: Table) -> tuple[str, str]:
     from sqlalchemy.dialects import postgresql
 
     preparer = postgresql.dialect().identifier_preparer
-    target = preparer.format_table(table)
+    target = _pg_name(table)
     schema = f"{preparer.quote_schema(table.schema)}." if table.schema else ""
     function = f"{schema}sqla_jobs_notify"
     trigger = preparer.quote(notify_trigger_name(table))
@@ -186,11 +194,8 @@ class SQL:
             raise SchemaError(f"sqla-jobs supports PostgreSQL and SQLite, not {dialect!r}")
         self.channel = notify_channel(jobs)
         if self.postgres:
-            from sqlalchemy.dialects import postgresql
-
-            name = postgresql.dialect().identifier_preparer.format_table(jobs)
             self._pg_hot = {by_queue: _PG_FINISH_AND_CLAIM.format(
-                table=name, queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else ""
+                table=_pg_name(jobs), queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else ""
             ) for by_queue in (False, True)}
 
     # -- time and transactions -------------------------------------------------
@@ -218,15 +223,36 @@ class SQL:
         waits (busy_timeout) for the lock instead, so the claim is atomic.
         """
         with engine.connect() as conn:
-            if self.sqlite:
-                conn.exec_driver_sql("PRAGMA busy_timeout = 30000")
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            self.begin_write(conn)
             try:
                 yield conn
             except BaseException:
                 conn.rollback()
                 raise
             conn.commit()
+
+    def begin_write(self, conn: Connection) -> None:
+        """On SQLite, take the write lock now (waiting up to 30 s for it); elsewhere nothing to do."""
+        if self.sqlite:
+            conn.exec_driver_sql("PRAGMA busy_timeout = 30000")
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    def create(self, conn: Connection) -> None:
+        """Create what is missing: the PostgreSQL schema, both tables, their indexes, the NOTIFY trigger.
+
+        Tables made by an older sqla-jobs get the indexes and trigger added
+        since; their columns are left alone (that takes a migration).
+        """
+        tables = [self.jobs, self.dead]
+        if self.postgres:
+            for schema in sorted({t.schema for t in tables if t.schema}):
+                conn.execute(CreateSchema(schema, if_not_exists=True))
+        for table in tables:
+            table.create(conn, checkfirst=True)
+            for index in table.indexes:
+                conn.execute(CreateIndex(index, if_not_exists=True))
+        if self.postgres and not self.has_notify_trigger(conn):
+            conn.execute(text(notify_trigger_ddl(self.jobs)[0]))
 
     def prepare(self, engine: Engine) -> None:
         """One-time settings: WAL lets SQLite readers and one writer work side by side."""
@@ -275,12 +301,9 @@ class SQL:
         """Whether inserts into the jobs table wake workers (PostgreSQL; SQLite always polls)."""
         if not self.postgres:
             return False
-        from sqlalchemy.dialects import postgresql
-
-        target = postgresql.dialect().identifier_preparer.format_table(self.jobs)
         found = conn.execute(
             text("SELECT 1 FROM pg_trigger WHERE tgname = :name AND tgrelid = to_regclass(:target)"),
-            {"name": notify_trigger_name(self.jobs), "target": target},
+            {"name": notify_trigger_name(self.jobs), "target": _pg_name(self.jobs)},
         ).first()
         return found is not None
 
@@ -303,6 +326,20 @@ class SQL:
         """
         if not self.postgres:
             return self.finish(conn, fences), self.claim(conn, limit, worker, token, lease, queues)
+        return self._pg_finish_and_claim(conn, fences, limit, worker, token, lease, queues, ordered=False)
+
+    def _pg_finish_and_claim(
+        self,
+        conn: Connection,
+        fences: Sequence[Fence],
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        *,
+        ordered: bool,
+    ) -> tuple[set[int], list[Claimed]]:
         params = {
             "fences": ",".join(f"{job_id}:{job_token}" for job_id, job_token in fences),
             "limit": limit,
@@ -315,6 +352,10 @@ class SQL:
         # result machinery was a fifth of the worker's time. Errors are wrapped
         # back into SQLAlchemy's, which is what the worker's retry loop expects.
         sql = self._pg_hot[bool(queues)]
+        if not conn.in_transaction():
+            # SQLAlchemy does not see what the driver cursor runs: without this its commit
+            # (e.g. SQL.write's) would be a no-op and the pool would roll the claim back.
+            conn.begin()
         try:
             with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
                 cursor.execute(sql, params)
@@ -323,14 +364,18 @@ class SQL:
             if isinstance(exc, conn.dialect.loaded_dbapi.Error):
                 raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
             raise
-        # No sort: a batch is never larger than the free threads, so all start at once.
         finished = {r[1] for r in rows if not r[0]}
-        jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token) for r in rows if r[0]]
-        return finished, jobs
+        claimed = [r for r in rows if r[0]]
+        if ordered:  # the worker does not need it: a batch never exceeds its free threads, all start at once
+            claimed.sort(key=lambda r: (-r[7], r[8], r[1]))
+        return finished, [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token) for r in claimed]
 
     def claim(
         self, conn: Connection, limit: int, worker: str, token: str, lease: float, queues: Sequence[str] | None
     ) -> list[Claimed]:
+        """Claim up to ``limit`` due jobs, returned in claim order (most urgent, then oldest, first)."""
+        if self.postgres:  # the worker's own statement, so what is tested is what runs
+            return self._pg_finish_and_claim(conn, [], limit, worker, token, lease, queues, ordered=True)[1]
         t = self.jobs
         due = select(t.c.id).where(t.c.state == "pending", t.c.run_at <= self.now())
         if queues:
@@ -344,15 +389,8 @@ class SQL:
             claim_token=token,
             lease_expires_at=self.later(lease),
         )
-        if self.postgres:
-            # MATERIALIZED: the CTE runs once, so exactly `limit` rows are locked.
-            # A plain `id IN (subquery … FOR UPDATE SKIP LOCKED)` may be re-run
-            # by the planner and lock (and claim) more rows than asked for.
-            picked = due.with_for_update(skip_locked=True).cte("due").prefix_with("MATERIALIZED")
-            stmt = stmt.where(t.c.id == picked.c.id)
-        else:
-            stmt = stmt.where(t.c.id.in_(due.scalar_subquery()))
-        stmt = stmt.returning(
+        # Under BEGIN IMMEDIATE nobody else writes meanwhile: the subquery needs no row locks.
+        stmt = stmt.where(t.c.id.in_(due.scalar_subquery())).returning(
             t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority, t.c.run_at
         )
         # UPDATE … RETURNING has no order: give the batch back in claim order.

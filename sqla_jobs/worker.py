@@ -10,14 +10,17 @@ or ``sqla-jobs worker --url ... --app myapp.jobs:queue``.
 One control thread talks to the database; ``concurrency`` handler threads only
 run user code. The control loop, on each turn:
 
-1. applies finished runs in one fenced UPDATE, failures one by one
-   (retry with backoff, or dead-letter on the last attempt);
-2. fails runs that passed their kind's timeout;
-3. every ``heartbeat`` seconds extends the leases of running jobs and hands
+1. fails runs that passed their kind's timeout;
+2. every ``heartbeat`` seconds extends the leases of running jobs and hands
    jobs whose lease ran out (their worker died) back to the queue;
-4. claims up to as many jobs as there are free threads, in one statement;
-5. sleeps until a thread frees, a NOTIFY arrives (PostgreSQL) or
-   ``poll_interval`` passes.
+3. writes failures, snoozes and cancels one by one (retry with backoff, or
+   dead-letter on the last attempt);
+4. in one round trip, marks the batch of successful runs finished and claims
+   jobs for the free threads (``SQL.finish_and_claim``); successes wait up to
+   ``flush_interval`` to be batched, and a claim waits until half the threads
+   are free, unless the worker is idle;
+5. sleeps until handler threads have something for it, a NOTIFY arrives
+   (PostgreSQL) or ``poll_interval`` passes.
 
 A database error on any step is logged and retried with backoff: outcomes
 not yet written stay in memory and are written after reconnecting. They are
@@ -442,31 +445,31 @@ class Worker:
         self._reap()
 
     def _reap(self) -> None:
-        """Hand back jobs whose worker vanished; the lost attempt counts."""
+        """Hand back jobs whose worker vanished; the lost attempt counts.
+
+        A cancel requested meanwhile is honoured; a lost last attempt goes to
+        the dead letters; anything else is a failed attempt, retried at once.
+        Hooks hear of it only once the transaction has committed.
+        """
+        events = []
         with self.sql.write(self.engine) as conn:
             for row in self.sql.expired(conn):
                 error = (f"WorkerLost: worker {row.locked_by} stopped heartbeating "
                          f"(lease expired) during attempt {row.attempts}")
                 fence = (row.id, row.claim_token)
-                if row.cancelled_at is not None:  # a cancel was requested: honour it, don't retry
+                if row.cancelled_at is not None:
                     self.sql.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
-                    log.warning("job %d %s attempt %d/%d: worker lost after a cancel request, job cancelled",
-                                row.id, row.kind, row.attempts, row.max_attempts)
-                    self.queue.emit(JobEvent("cancelled", row.id, row.kind, row.queue, row.attempts,
-                                             row.max_attempts, None, error))
+                    name, what = "cancelled", "worker lost after a cancel request, job cancelled"
                 elif row.attempts >= row.max_attempts:
                     self.sql.dead_letter(conn, fence, error)
-                    log.warning("job %d %s attempt %d/%d: worker lost on the last attempt, moved to dead letters",
-                                row.id, row.kind, row.attempts, row.max_attempts)
-                    self.queue.emit(JobEvent("dead_letter", row.id, row.kind, row.queue, row.attempts, row.max_attempts,
-                                             None, error))
+                    name, what = "dead_letter", "worker lost on the last attempt, moved to dead letters"
                 else:
                     self.sql.release(conn, fence, error=error, attempt=row.attempts)
-                    log.warning("job %d %s attempt %d/%d: worker lost, job handed back to the queue",
-                                row.id, row.kind, row.attempts, row.max_attempts)
-                    # A lost run is a failed attempt: hooks and metrics count it like one.
-                    self.queue.emit(JobEvent("failed", row.id, row.kind, row.queue, row.attempts, row.max_attempts,
-                                             None, error))
+                    name, what = "failed", "worker lost, job handed back to the queue"
+                log.warning("job %d %s attempt %d/%d: %s", row.id, row.kind, row.attempts, row.max_attempts, what)
+                events.append(JobEvent(name, row.id, row.kind, row.queue, row.attempts, row.max_attempts, None, error))
+        for event in events:
+            self.queue.emit(event)
 
     def _maybe_prune(self, now: float) -> None:
         """With ``prune_after``: delete one batch of old finished jobs per turn, at most once a minute
@@ -566,10 +569,7 @@ class Worker:
     def _execute_in_transaction(self, run: _Run, fn: Any) -> None:
         """The handler's writes and the job's completion commit together, or not at all."""
         with Session(self.engine) as session:
-            conn = session.connection()
-            if self.sql.sqlite:
-                conn.exec_driver_sql("PRAGMA busy_timeout = 30000")
-                conn.exec_driver_sql("BEGIN IMMEDIATE")
+            self.sql.begin_write(session.connection())
             run.ctx.session = session
             try:
                 fn(run.job.payload)

@@ -15,6 +15,7 @@ from tests.conftest import IN_CI, Database
 
 from . import cluster as cluster_mod
 from .harness import WorkerProc
+from .proxy import TcpProxy
 
 
 class Workers:
@@ -94,3 +95,15 @@ def private_db(private_cluster: cluster_mod.PrivateCluster, monkeypatch: pytest.
         app._engine = None
 
 
+@pytest.fixture
+def proxy(pg: Database) -> Iterator[TcpProxy]:
+    """A TCP proxy in front of the test PostgreSQL, to cut or stall a worker's connection."""
+    url = make_url(pg.url)
+    server = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
+    yield server
+    server.close()
+
+
+def via(proxy: TcpProxy, db: Database) -> str:
+    """``db``'s URL, going through ``proxy``."""
+    return make_url(db.url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)

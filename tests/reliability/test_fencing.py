@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterator
 
 import pytest
 from sqlalchemy import create_engine, make_url, text, update
@@ -17,7 +16,7 @@ from sqla_jobs.connection import SERVER_SIDE
 from tests import app
 from tests.conftest import Database
 
-from .conftest import Workers
+from .conftest import Workers, via
 from .harness import all_settled, check_invariants, dead, effects, enqueue, job, wait_for
 from .proxy import TcpProxy
 
@@ -39,16 +38,6 @@ def expire(db: Database, job_id: int) -> None:
         conn.execute(update(app.Job).where(app.Job.id == job_id).values(lease_expires_at=sql.later(-5)))
 
 
-@pytest.fixture
-def proxy(pg: Database) -> Iterator[TcpProxy]:
-    url = make_url(pg.url)
-    server = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
-    yield server
-    server.close()
-
-
-def via(proxy: TcpProxy, db: Database) -> str:
-    return make_url(db.url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
 
 
 def test_stale_worker_result_is_discarded_not_applied(pg: Database, workers: Workers, proxy: TcpProxy) -> None:

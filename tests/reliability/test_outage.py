@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
-from sqlalchemy import Engine, create_engine, make_url, text
+from sqlalchemy import Engine, create_engine, text
 
 from sqla_jobs import Worker
 from tests import app
 from tests.conftest import Database
 
 from .cluster import PrivateCluster
-from .conftest import Workers
+from .conftest import Workers, via
 from .harness import WorkerProc, all_settled, check_invariants, effects, enqueue, job, wait_for
 from .proxy import TcpProxy
 
@@ -35,18 +34,10 @@ def terminate_backends(engine: Engine, worker: WorkerProc) -> int:
     return len(killed)
 
 
-@pytest.fixture
-def proxy(pg: Database) -> Iterator[TcpProxy]:
-    url = make_url(pg.url)
-    server = TcpProxy(url.host or "127.0.0.1", url.port or 5432)
-    yield server
-    server.close()
-
 
 @pytest.mark.parametrize("how", ["pg_terminate_backend", "network reset"])
 def test_connection_lost_between_claim_and_finish(pg: Database, workers: Workers, proxy: TcpProxy, how: str) -> None:
-    url = pg.url if how == "pg_terminate_backend" else make_url(pg.url).set(port=proxy.port).render_as_string(
-        hide_password=False)
+    url = pg.url if how == "pg_terminate_backend" else via(proxy, pg)
     # A 60 s lease: the job must be finished by this worker after it reconnects, not recovered by expiry.
     # One thread and a 20 s heartbeat: while the handler runs the worker sends nothing, so the first
     # statement to hit the broken connection is the job's finish, which must be kept and retried.
