@@ -6,6 +6,7 @@ by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 
 from .backoff import Backoff
 from .context import JobContext, current_job
+from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
     ConfigError,
     InvalidJob,
@@ -18,7 +19,6 @@ from .errors import (
 )
 from .models import MAX_PAYLOAD_BYTES, DeadJobMixin, JobMixin
 from .queue import JobEvent, JobQueue
-from .sql import MAX_ERROR_LENGTH
 from .worker import Worker
 
 __version__ = "0.1.0"

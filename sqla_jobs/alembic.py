@@ -84,9 +84,9 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSON as PG_JSON
 from sqlalchemy.dialects.postgresql import JSONB
 
+from .drivers import driver_class_of, normalise_url, registered
 from .errors import ConfigError
 from .models import DeadJobMixin, JobMixin
-from .sql import notify_trigger_ddl, notify_trigger_name
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
@@ -291,33 +291,6 @@ def _metadata_signature(index: Index, dialect: str) -> Signature:
     return bool(index.unique), columns, _normalise(str(where)) if where is not None else None
 
 
-def _postgresql_index(index: dict[str, Any]) -> _FoundIndex | None:
-    expressions = index.get("expressions") or index.get("column_names") or []
-    if any(e is None for e in expressions):
-        return None  # an expression this SQLAlchemy version cannot reflect: only its existence is known
-    sorting = index.get("column_sorting") or {}
-    elements = tuple(f"{e} DESC" if "desc" in sorting.get(e, ()) else str(e) for e in expressions)
-    where = (index.get("dialect_options") or {}).get("postgresql_where")
-    return _FoundIndex(bool(index.get("unique")), elements, str(where) if where is not None else None)
-
-
-def _sqlite_index(sql: str) -> _FoundIndex | None:
-    """Parse SQLite's own copy of ``CREATE INDEX``: reflection drops DESC (and, in some versions, more)."""
-    head = re.match(r"\s*create\s+(unique\s+)?index\s.*?\son\s+[^(]+\(", sql, re.IGNORECASE | re.DOTALL)
-    if head is None:
-        return None
-    depth, start = 1, head.end()
-    for i in range(start, len(sql)):
-        depth += {"(": 1, ")": -1}.get(sql[i], 0)
-        if depth == 0:
-            break
-    else:
-        return None
-    elements = tuple(e.strip() for e in sql[start:i].split(","))  # no commas inside our index elements
-    rest = re.match(r"\s*where\s+(.*?)\s*$", sql[i + 1 :], re.IGNORECASE | re.DOTALL)
-    return _FoundIndex(bool(head.group(1)), elements, rest.group(1) if rest else None)
-
-
 def _compare_job_index_lists(
     autogen_context: AutogenContext,
     modify_ops: ops.ModifyTableOps,
@@ -331,15 +304,13 @@ def _compare_job_index_lists(
     ours = _our_index_names(metadata_table)
     if not ours:
         return
-    dialect = autogen_context.dialect.name
+    driver = driver_class_of(autogen_context.dialect)
+    dialect = driver.name
     have: dict[str, _FoundIndex | None] = {}
-    if conn_table is not None and dialect == "sqlite" and autogen_context.connection is not None:
-        found_sql = _sqlite_indexes(autogen_context.connection, schema, tname)
-        have = {name: _sqlite_index(sql) for name, sql in found_sql}
-        _warn_if_autoincrement_lost(autogen_context.connection, schema, metadata_table)
-    elif conn_table is not None:
-        inspector = autogen_context.inspector
-        have = {ix["name"]: _postgresql_index(dict(ix)) for ix in inspector.get_indexes(tname, schema=schema)}
+    if conn_table is not None and autogen_context.connection is not None:
+        found = driver.reflect_indexes(autogen_context.connection, schema, tname)
+        have = {name: None if d is None else _FoundIndex(*d) for name, d in found.items()}
+        driver.check_reflected_table(autogen_context.connection, schema, metadata_table)
     for index in sorted(metadata_table.indexes, key=lambda ix: str(ix.name)):
         if index.name not in ours:
             continue
@@ -353,29 +324,6 @@ def _compare_job_index_lists(
             old = found.as_index(index.name, conn_table, dialect) or index
             modify_ops.ops.append(ops.DropIndexOp.from_index(old))
             modify_ops.ops.append(ops.CreateIndexOp.from_index(index))
-
-
-def _warn_if_autoincrement_lost(conn: Connection, schema: str | None, table: Table) -> None:
-    """alembic's SQLite batch mode rebuilds a table without AUTOINCREMENT; it has no operation to restore it."""
-    if not table.dialect_options["sqlite"].get("autoincrement"):
-        return
-    master = f'"{schema}".sqlite_master' if schema else "sqlite_master"
-    sql = conn.execute(text(f"SELECT sql FROM {master} WHERE type = 'table' AND name = :t"), {"t": table.name})
-    created = sql.scalar() or ""
-    if "autoincrement" not in created.lower():
-        log.warning(
-            "table %s was created without AUTOINCREMENT (alembic's batch mode drops it when it rebuilds a table): "
-            "SQLite may reuse the id of a job that left the table, so requeueing its dead-letter copy can fail; "
-            "rebuild it with op.batch_alter_table(%r, recreate='always', table_kwargs={'sqlite_autoincrement': True})",
-            table.name,
-            table.name,
-        )
-
-
-def _sqlite_indexes(conn: Connection, schema: str | None, table: str) -> list[tuple[str, str]]:
-    master = f'"{schema}".sqlite_master' if schema else "sqlite_master"
-    query = text(f"SELECT name, sql FROM {master} WHERE type = 'index' AND tbl_name = :t AND sql IS NOT NULL")
-    return [(r[0], r[1]) for r in conn.execute(query, {"t": table})]
 
 
 # alembic calls every registered "table" comparator for every table; ours acts on job tables only.
@@ -476,7 +424,7 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
 
 def _create_schemas(metadata: MetaData, conn: Connection | None) -> list[ops.MigrateOperation]:
     """PostgreSQL schemas the tables live in, created if missing (and never dropped: they may hold more)."""
-    if conn is not None and conn.dialect.name != "postgresql":
+    if conn is not None and not driver_class_of(conn).creates_schemas():
         return []
     schemas = sorted({t.schema for t in metadata.tables.values() if t.schema})
     if conn is not None:
@@ -486,22 +434,23 @@ def _create_schemas(metadata: MetaData, conn: Connection | None) -> list[ops.Mig
     return [ops.ExecuteSQLOp(f"CREATE SCHEMA IF NOT EXISTS {preparer.quote_schema(s)}") for s in schemas]
 
 
-def _notify_trigger_code(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[str, str] | None:
-    """Upgrade and downgrade code for the NOTIFY trigger, if the database lacks it.
+def _notify_trigger_code(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[str, str, list[str]] | None:
+    """Upgrade and downgrade code for the wake-up trigger(s), if the database lacks them, and their summary.
 
-    Autogenerate cannot see triggers, so render writes it; the code checks the
-    dialect when it runs, so one revision still serves PostgreSQL and SQLite.
+    Autogenerate cannot see triggers, so render writes them; the code checks the
+    dialect when it runs, so one revision still serves every backend.
     """
     table = queue.job_model.__table__  # type: ignore[attr-defined]
-    if conn is not None and (conn.dialect.name != "postgresql" or queue.sql(conn).has_notify_trigger(conn)):
+    if conn is not None:
+        if queue.driver(conn).has_notify_trigger(conn):
+            return None
+        candidates = [driver_class_of(conn)]
+    else:
+        candidates = list(registered())
+    codes = [code for code in (d.wake_trigger_migration(table) for d in candidates) if code is not None]
+    if not codes:
         return None
-    create, drop = notify_trigger_ddl(table)
-    function, trigger = create.split(";\n")
-    guard = '    if op.get_bind().dialect.name == "postgresql":\n'
-    upgrade = (guard + "        # wakes idle workers at commit (LISTEN/NOTIFY); see sqla_jobs.sql.notify_trigger_ddl\n"
-               f"        op.execute({function!r})\n        op.execute({trigger!r})")
-    downgrade = guard + f"        op.execute({drop!r})"
-    return upgrade, downgrade
+    return "\n".join(c[0] for c in codes), "\n".join(c[1] for c in codes), [c[2] for c in codes]
 
 
 def _refuse_second_create(queue: JobQueue[Any, Any], script_dir: ScriptDirectory) -> None:
@@ -555,7 +504,7 @@ def render_revision(
     summary = [line for op in upgrade.ops for line in _describe(op)]
     trigger = _notify_trigger_code(queue, connection)
     if trigger is not None:
-        summary.append(f"create trigger {notify_trigger_name(queue.job_model.__table__)} (PostgreSQL)")  # type: ignore[attr-defined]
+        summary.extend(trigger[2])
     if upgrade.is_empty() and trigger is None:
         return Rendered(None, None, head, [])
     imports = ("from sqlalchemy.dialects import postgresql",)
@@ -598,9 +547,7 @@ def database_url(config: Config) -> str:
         raise ConfigError(
             "no database to migrate: set sqlalchemy.url in alembic.ini or the SQLA_JOBS_URL environment variable"
         )
-    url = make_url(raw)
-    if url.drivername in ("postgresql", "postgres"):
-        url = url.set(drivername="postgresql+psycopg")  # psycopg 3 is what sqla-jobs installs
+    url = normalise_url(make_url(raw))
     return url.render_as_string(hide_password=False)
 
 
@@ -609,7 +556,7 @@ def app_metadata(config: Config) -> MetaData | None:
     spec = os.environ.get("SQLA_JOBS_APP") or config.get_main_option("sqla_jobs.app")
     if not spec:
         return None
-    from .cli import load_app  # the CLI's loader gives the same one-line errors
+    from ._bootstrap import load_app  # the CLI's loader: the same one-line errors
 
     return load_app(spec).job_model.metadata  # type: ignore[no-any-return]
 

@@ -57,8 +57,8 @@ SERVER_SIDE: dict[str, int] = {
 
 
 def harden(engine: Engine, worker_name: str) -> None:
-    """Give ``engine``'s new psycopg connections the settings above (PostgreSQL only; no-op elsewhere)."""
-    if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
+    """Give ``engine``'s new psycopg connections the settings above (the PostgreSQL driver calls it)."""
+    if engine.dialect.driver != "psycopg":
         return
     settings: dict[str, Any] = {**DEFAULTS, "application_name": f"sqla-jobs worker {worker_name}"[:63]}
 
