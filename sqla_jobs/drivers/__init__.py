@@ -99,7 +99,11 @@ def driver_for(bind: Engine | Connection | str, jobs: Table, dead: Table) -> Dri
 
 def normalise_url(url: URL) -> URL:
     """``url`` with the DBAPI driver sqla-jobs ships for its backend; ConfigError for an unsupported one."""
-    return driver_class(url.get_backend_name()).normalise_url(url)
+    backend = url.get_backend_name()
+    for driver in _DRIVERS.values():
+        if backend in driver.url_aliases:
+            return driver.normalise_url(url)
+    return driver_class(backend).normalise_url(url)
 
 
 def attach_table_events(table: Table) -> None:

@@ -101,6 +101,8 @@ class Driver(Operations):
 
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""
+    #: Other backend names a URL may use for this database (``postgres://``).
+    url_aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
         self.jobs = jobs

@@ -127,6 +127,7 @@ class PostgreSQLDriver(Driver):
 
     name = "postgresql"
     label = "PostgreSQL"
+    url_aliases = ("postgres",)
 
     def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
         super().__init__(jobs, dead, dbapi)
@@ -313,6 +314,9 @@ class PostgreSQLDriver(Driver):
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """COPY, the fastest way in."""
         target = conn.dialect.identifier_preparer.format_table(self.jobs)
+        if not conn.in_transaction():
+            # SQLAlchemy does not see what the driver cursor runs: without this its commit would be a no-op.
+            conn.begin()
         for columns, batch in self._insert_batches(rows):
             cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
             with cursor.copy(f"COPY {target} ({', '.join(columns)}) FROM STDIN") as copy:
