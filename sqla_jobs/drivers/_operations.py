@@ -1,4 +1,4 @@
-"""The admin and stats statements: portable Core, shared by every backend (mixed into ``Driver``).
+"""The schema check, admin and stats statements: portable Core, shared by every backend (mixed into ``Driver``).
 
 Each stats query is shaped to stay on one of the partial indexes, so it reads
 the live part of the table (pending, running, the stats window) and never the
@@ -11,8 +11,10 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Table, delete, func, insert, select, update
+from sqlalchemy import Connection, Table, delete, func, insert, inspect, select, update
 from sqlalchemy.sql.elements import ColumnElement
+
+from ..errors import SchemaError
 
 
 def utcnow() -> str:
@@ -30,8 +32,15 @@ def truncate(message: str) -> str:
 MAX_ERROR_LENGTH = 4000
 
 
+MIGRATE = (
+    "this sqla-jobs version needs a schema migration; with alembic, run "
+    "`sqla-jobs migrations render --app ... --url ...` (it writes a revision for exactly what is missing) "
+    "and `alembic upgrade head`; see docs/howto/migrations.md"
+)
+
+
 class Operations:
-    """Requeue, stats, inspect, cancel, retry, purge; the backend supplies the clock (``now``/``ago``)."""
+    """Schema check, requeue, stats, inspect, cancel, retry, purge; the backend supplies the clock (``now``/``ago``)."""
 
     jobs: Table
     dead: Table
@@ -47,6 +56,34 @@ class Operations:
 
     def notify(self, conn: Connection) -> None:
         """Wake waiting workers at commit (where they wait)."""
+
+    def index_names(self, conn: Connection) -> set[str]:
+        raise NotImplementedError
+
+    def check_schema(self, conn: Connection) -> None:
+        """Raise SchemaError naming what is missing, before a worker touches the tables."""
+        inspector = inspect(conn)
+        for table in (self.jobs, self.dead):
+            if not inspector.has_table(table.name, schema=table.schema):
+                raise SchemaError(
+                    f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: "
+                    "create it with `sqla-jobs create-tables --app ...`, "
+                    "`Base.metadata.create_all(engine)`, or your alembic migrations "
+                    "(`sqla-jobs migrations render --app ...`, then `alembic upgrade head`)"
+                )
+            have = {c["name"] for c in inspector.get_columns(table.name, schema=table.schema)}
+            missing = sorted(set(table.c.keys()) - have)
+            if missing:
+                raise SchemaError(f"table {table.fullname!r} lacks column(s) {', '.join(missing)}: {MIGRATE}")
+        # The claim and the lease reaper scan the whole table without these.
+        wanted = [f"ix_{self.jobs.name}_pending", f"ix_{self.jobs.name}_running"]
+        indexes = self.index_names(conn)
+        absent = [name for name in wanted if name in {ix.name for ix in self.jobs.indexes} and name not in indexes]
+        if absent:
+            raise SchemaError(
+                f"table {self.jobs.fullname!r} lacks index(es) {', '.join(absent)}: {MIGRATE}; "
+                "without alembic, `sqla-jobs create-tables --app ...` creates missing indexes"
+            )
 
     def requeue_dead(
         self, conn: Connection, *, ids: Sequence[int] | None = None, kind: str | None = None

@@ -44,7 +44,6 @@ from sqlalchemy.engine import URL
 from sqlalchemy.schema import CreateIndex
 from sqlalchemy.sql.elements import ColumnElement
 
-from ..errors import SchemaError
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
 
 __all__ = ["MAX_ERROR_LENGTH", "Claimed", "Driver", "Fence", "IndexDefinition", "percentile", "truncate"]
@@ -79,12 +78,6 @@ def percentile(sorted_values: list[float], fraction: float) -> float:
     high = min(low + 1, len(sorted_values) - 1)
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
-
-MIGRATE = (
-    "this sqla-jobs version needs a schema migration; with alembic, run "
-    "`sqla-jobs migrations render --app ... --url ...` (it writes a revision for exactly what is missing) "
-    "and `alembic upgrade head`; see docs/howto/migrations.md"
-)
 
 #: What a backend's index reflection gives the alembic comparator: unique, elements (``"priority DESC"``),
 #: predicate as SQL text; None for an index that exists but whose definition cannot be read.
@@ -240,31 +233,6 @@ class Driver(Operations):
         """The names of the jobs table's indexes in the database."""
         t = self.jobs
         return {ix["name"] for ix in inspect(conn).get_indexes(t.name, schema=t.schema) if ix["name"]}
-
-    def check_schema(self, conn: Connection) -> None:
-        """Raise SchemaError naming what is missing, before a worker touches the tables."""
-        inspector = inspect(conn)
-        for table in (self.jobs, self.dead):
-            if not inspector.has_table(table.name, schema=table.schema):
-                raise SchemaError(
-                    f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: "
-                    "create it with `sqla-jobs create-tables --app ...`, "
-                    "`Base.metadata.create_all(engine)`, or your alembic migrations "
-                    "(`sqla-jobs migrations render --app ...`, then `alembic upgrade head`)"
-                )
-            have = {c["name"] for c in inspector.get_columns(table.name, schema=table.schema)}
-            missing = sorted(set(table.c.keys()) - have)
-            if missing:
-                raise SchemaError(f"table {table.fullname!r} lacks column(s) {', '.join(missing)}: {MIGRATE}")
-        # The claim and the lease reaper scan the whole table without these.
-        wanted = [f"ix_{self.jobs.name}_pending", f"ix_{self.jobs.name}_running"]
-        indexes = self.index_names(conn)
-        absent = [name for name in wanted if name in {ix.name for ix in self.jobs.indexes} and name not in indexes]
-        if absent:
-            raise SchemaError(
-                f"table {self.jobs.fullname!r} lacks index(es) {', '.join(absent)}: {MIGRATE}; "
-                "without alembic, `sqla-jobs create-tables --app ...` creates missing indexes"
-            )
 
     # -- the worker's path -----------------------------------------------------
 
