@@ -9,6 +9,7 @@ from .context import JobContext, current_job
 from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
     ConfigError,
+    ConnectionProblem,
     InvalidJob,
     JobCancel,
     JobSnooze,
@@ -28,6 +29,7 @@ __all__ = [
     "MAX_PAYLOAD_BYTES",
     "Backoff",
     "ConfigError",
+    "ConnectionProblem",
     "DeadJobMixin",
     "InvalidJob",
     "JobCancel",

@@ -14,6 +14,7 @@ PUBLIC = [
     "MAX_PAYLOAD_BYTES",
     "Backoff",
     "ConfigError",
+    "ConnectionProblem",
     "DeadJobMixin",
     "InvalidJob",
     "JobCancel",
