@@ -60,7 +60,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
-from .connection import harden
+from .connection import database_answers, harden, is_disconnect
 from .context import JobContext, _current
 from .errors import ConfigError, JobCancel, JobSnooze
 from .queue import JobEvent, JobQueue
@@ -232,10 +232,11 @@ class Worker:
                     db_failures = 0
                 except (OperationalError, DBAPIError, PoolTimeout) as exc:  # PoolTimeout: handlers hold the pool
                     db_failures += 1
-                    pause = min(30.0, 0.25 * 2 ** min(db_failures, 7))
+                    pause = self._pause_after(exc, db_failures)
                     db_retry_at = time.monotonic() + pause
-                    log.warning("worker %s: database error, retrying in %.1fs: %s",
-                                self.name, pause, str(exc).splitlines()[0])
+                    if db_failures <= 5 or db_failures % 60 == 0:  # a long outage: not one line per second
+                        log.warning("worker %s: database error, retrying in %.1fs: %s",
+                                    self.name, pause, str(exc).splitlines()[0])
                     claimed = 0
                 else:
                     if claimed and len(self._running) < self.concurrency:
@@ -251,9 +252,29 @@ class Worker:
             timeout = min(self.poll_interval, max(0.0, next_heartbeat - time.monotonic()))
             if self._unwritten_since is not None:
                 timeout = min(timeout, self._unwritten_since + self.flush_interval - time.monotonic())
-            if db_retry_at > time.monotonic():
+            if db_failures:  # a retry that is due now (the database answers) must not wait for a poll
                 timeout = min(timeout, db_retry_at - time.monotonic())
             self._wake.wait(max(timeout, 0.001))
+
+    def _pause_after(self, exc: Exception, failures: int) -> float:
+        """How long to wait before the next try, after ``failures`` database errors in a row.
+
+        A lost connection is no reason to wait. Every pooled connection opened
+        before it may be stale too (a server restart or a failover cut them
+        all), but a pool checkout never hands out one the server closed: the
+        first it finds makes the pool discard all older ones (see
+        connection.py). So if a connection can be had, the next turn runs at
+        once. Only while the server does not answer does the worker wait, at
+        most a second between tries, so it is back within a second of the
+        server (each try is one refused connect: cheap for both). Other errors
+        (a deadlock, a full pool) back off exponentially, as does a disconnect
+        that keeps coming back although the server answers.
+        """
+        if not is_disconnect(exc):
+            return min(30.0, 0.25 * 2 ** min(failures, 7))
+        if failures <= 3 and database_answers(self.engine):
+            return 0.0
+        return min(1.0, 0.125 * 2 ** min(failures, 3))
 
     @contextmanager
     def _hot(self) -> Iterator[Connection]:
@@ -586,7 +607,12 @@ class Worker:
     # -- LISTEN / NOTIFY -------------------------------------------------------------
 
     def _listen_main(self) -> None:
-        """Wake the control loop when an enqueuing transaction commits; reconnect on errors."""
+        """Wake the control loop when an enqueuing transaction commits; reconnect on errors.
+
+        The first reconnect is immediate (a checkout never hands out a
+        connection the server closed, see connection.py), later ones at most a
+        second apart, so LISTEN is back within a second of the server.
+        """
         failures = 0
         while not self._closed.is_set():
             conn = None
@@ -596,6 +622,8 @@ class Worker:
                 raw.detach()  # a long-lived LISTEN connection does not belong in the pool
                 conn.autocommit = True  # type: ignore[union-attr]
                 conn.execute(f'LISTEN "{self.sql.channel}"')  # type: ignore[union-attr]
+                if failures:
+                    log.info("worker %s: LISTEN connection is back", self.name)
                 failures = 0
                 self._wake.set()  # notifications sent while we were away are lost: look now
                 while not self._closed.is_set():
@@ -603,9 +631,11 @@ class Worker:
                         self._wake.set()
             except Exception as exc:
                 failures += 1
-                log.info("worker %s: LISTEN connection failed (%s); polling until it is back",
-                         self.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                self._closed.wait(min(30.0, 0.5 * 2 ** min(failures, 6)))
+                if failures == 1 or failures % 60 == 0:  # a long outage: not one line per second
+                    log.info("worker %s: LISTEN connection failed (%s); polling until it is back",
+                             self.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                if failures > 1:
+                    self._closed.wait(min(1.0, 0.125 * 2 ** min(failures - 2, 3)))
             finally:
                 if conn is not None:
                     with contextlib.suppress(Exception):
