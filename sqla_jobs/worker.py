@@ -22,7 +22,9 @@ run user code. The control loop, on each turn:
 5. sleeps until handler threads have something for it, a NOTIFY arrives
    (PostgreSQL) or ``poll_interval`` passes.
 
-A database error on any step is logged and retried with backoff: outcomes
+A database error on any step is logged and retried: at once after a lost
+connection while the server answers (at most a second apart while it does
+not; see ``_pause_after``), with backoff after any other error. Outcomes
 not yet written stay in memory and are written after reconnecting. They are
 fenced by the claim token, so if the lease ran out meanwhile and another
 worker took the job, the stale result is discarded and logged, never applied.

@@ -10,12 +10,17 @@ one doubled backoff and these jobs waited ~16 s.
 
 from __future__ import annotations
 
+import socket
 import statistics
 import time
+import uuid
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, create_engine, make_url, text
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.pool import NullPool
 
+from sqla_jobs.connection import database_answers, harden, is_disconnect
 from tests.conftest import Database
 
 from .cluster import PrivateCluster
@@ -93,3 +98,62 @@ def test_jobs_run_within_2s_after_each_server_restart(private_cluster: PrivateCl
     assert worker.stop() == 0
     states = check_invariants(engine, ids, workers.logs())
     assert set(states.values()) == {"finished"}
+
+
+def backend_pid(conn: Connection) -> int:
+    return int(conn.execute(text("SELECT pg_backend_pid()")).scalar_one())
+
+
+def test_checkout_replaces_every_connection_the_server_closed(pg: Database) -> None:
+    """What makes the recovery fast: no pooled connection the server closed is ever handed out."""
+    engine = create_engine(pg.url, pool_size=5, max_overflow=0)
+    harden(engine, f"checkout-test-{uuid.uuid4().hex[:8]}")
+    try:
+        held = [engine.connect() for _ in range(5)]
+        old = {backend_pid(conn) for conn in held}
+        for conn in held:
+            conn.close()  # back to the pool, idle
+        with pg.engine.connect() as admin:
+            admin.execute(text("SELECT pg_terminate_backend(pid) FROM unnest(CAST(:pids AS int[])) AS pid"),
+                          {"pids": list(old)})
+        time.sleep(0.2)  # the server's goodbye reaches the sockets
+        # All five at once: each is a new session, none fails on a stale socket.
+        held = [engine.connect() for _ in range(5)]
+        new = {backend_pid(conn) for conn in held}
+        assert len(new) == 5 and not new & old
+        for conn in held:
+            conn.close()
+    finally:
+        engine.dispose()
+
+
+def wrapped(engine: Engine, sql: str) -> BaseException:
+    """Run ``sql`` on the driver's cursor and wrap its error the way the worker's hot path does."""
+    with engine.connect() as conn:
+        try:
+            with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
+                cursor.execute(sql)
+        except Exception as exc:
+            return DBAPIError.instance(sql, None, exc, conn.dialect.loaded_dbapi.Error)
+        finally:
+            conn.invalidate()
+    raise AssertionError(f"{sql!r} did not fail")
+
+
+def test_disconnects_are_told_from_statement_errors(pg: Database) -> None:
+    engine = create_engine(pg.url, poolclass=NullPool)
+    # Statement errors: the connection is fine, the worker must not treat them as an outage.
+    assert not is_disconnect(wrapped(engine, "SELECT * FROM no_such_table"))
+    assert not is_disconnect(wrapped(engine, "SET statement_timeout = 1; SELECT pg_sleep(1)"))
+    # The server ends the session (what pg_terminate_backend and a fast shutdown do).
+    assert is_disconnect(wrapped(engine, "SELECT pg_terminate_backend(pg_backend_pid())"))
+    # Nobody listens on the port: no SQLSTATE, an OperationalError from connecting.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    nobody = create_engine(make_url(pg.url).set(host="127.0.0.1", port=port), poolclass=NullPool)
+    with pytest.raises(DBAPIError) as refused:
+        nobody.connect()
+    assert is_disconnect(refused.value)
+    assert not database_answers(nobody) and database_answers(engine)
+    assert not is_disconnect(ValueError("not a database error"))
