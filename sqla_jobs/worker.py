@@ -24,7 +24,7 @@ run user code. The control loop, on each turn:
 
 A database error on any step is logged and retried: at once after a lost
 connection while the server answers (at most a second apart while it does
-not; see ``_pause_after``), with backoff after any other error. Outcomes
+not; see ``connection.retry_pause``), with backoff after any other error. Outcomes
 not yet written stay in memory and are written after reconnecting. They are
 fenced by the claim token, so if the lease ran out meanwhile and another
 worker took the job, the stale result is discarded and logged, never applied.
@@ -62,7 +62,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
-from .connection import database_answers, harden, is_disconnect
+from .connection import harden, retry_pause
 from .context import JobContext, _current
 from .errors import ConfigError, JobCancel, JobSnooze
 from .queue import JobEvent, JobQueue
@@ -234,7 +234,7 @@ class Worker:
                     db_failures = 0
                 except (OperationalError, DBAPIError, PoolTimeout) as exc:  # PoolTimeout: handlers hold the pool
                     db_failures += 1
-                    pause = self._pause_after(exc, db_failures)
+                    pause = retry_pause(self.engine, exc, db_failures)
                     db_retry_at = time.monotonic() + pause
                     if db_failures <= 5 or db_failures % 60 == 0:  # a long outage: not one line per second
                         log.warning("worker %s: database error, retrying in %.1fs: %s",
@@ -257,26 +257,6 @@ class Worker:
             if db_failures:  # a retry that is due now (the database answers) must not wait for a poll
                 timeout = min(timeout, db_retry_at - time.monotonic())
             self._wake.wait(max(timeout, 0.001))
-
-    def _pause_after(self, exc: Exception, failures: int) -> float:
-        """How long to wait before the next try, after ``failures`` database errors in a row.
-
-        A lost connection is no reason to wait. Every pooled connection opened
-        before it may be stale too (a server restart or a failover cut them
-        all), but a pool checkout never hands out one the server closed: the
-        first it finds makes the pool discard all older ones (see
-        connection.py). So if a connection can be had, the next turn runs at
-        once. Only while the server does not answer does the worker wait, at
-        most a second between tries, so it is back within a second of the
-        server (each try is one refused connect: cheap for both). Other errors
-        (a deadlock, a full pool) back off exponentially, as does a disconnect
-        that keeps coming back although the server answers.
-        """
-        if not is_disconnect(exc):
-            return min(30.0, 0.25 * 2 ** min(failures, 7))
-        if failures <= 3 and database_answers(self.engine):
-            return 0.0
-        return min(1.0, 0.125 * 2 ** min(failures, 3))
 
     @contextmanager
     def _hot(self) -> Iterator[Connection]:
