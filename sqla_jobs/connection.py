@@ -145,8 +145,8 @@ def retry_pause(engine: Engine, exc: BaseException, failures: int) -> float:
     before it may be stale too (a server restart or a failover cut them all),
     but a checkout never hands out one the server closed (:func:`check_alive`),
     so if a connection can be had, the next try runs at once. Only while the
-    server does not answer does the worker wait, at most a second between
-    tries, so it is back within a second of the server (each try is one
+    server does not answer does the worker wait, at most half a second between
+    tries, so it is back within half a second of the server (each try is one
     refused connect: cheap for both). Other errors (a deadlock, a full pool)
     back off exponentially, and so does a disconnect that keeps coming back
     although the server answers.
@@ -155,7 +155,7 @@ def retry_pause(engine: Engine, exc: BaseException, failures: int) -> float:
         return min(30.0, 0.25 * 2 ** min(failures, 7))
     if failures <= 3 and database_answers(engine):
         return 0.0
-    return min(1.0, 0.125 * 2 ** min(failures, 3))
+    return min(0.5, 0.125 * 2 ** min(failures, 2))
 
 
 def _has_input(dbapi_connection: Any) -> bool:

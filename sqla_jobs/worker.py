@@ -23,7 +23,7 @@ run user code. The control loop, on each turn:
    (PostgreSQL) or ``poll_interval`` passes.
 
 A database error on any step is logged and retried: at once after a lost
-connection while the server answers (at most a second apart while it does
+connection while the server answers (at most half a second apart while it does
 not; see ``connection.retry_pause``), with backoff after any other error. Outcomes
 not yet written stay in memory and are written after reconnecting. They are
 fenced by the claim token, so if the lease ran out meanwhile and another
@@ -592,8 +592,8 @@ class Worker:
         """Wake the control loop when an enqueuing transaction commits; reconnect on errors.
 
         The first reconnect is immediate (a checkout never hands out a
-        connection the server closed, see connection.py), later ones at most a
-        second apart, so LISTEN is back within a second of the server.
+        connection the server closed, see connection.py), later ones at most half
+        a second apart, so LISTEN is back within half a second of the server.
         """
         failures = 0
         while not self._closed.is_set():
@@ -617,7 +617,7 @@ class Worker:
                     log.info("worker %s: LISTEN connection failed (%s); polling until it is back",
                              self.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
                 if failures > 1:
-                    self._closed.wait(min(1.0, 0.125 * 2 ** min(failures - 2, 3)))
+                    self._closed.wait(min(0.5, 0.125 * 2 ** min(failures - 2, 2)))
             finally:
                 if conn is not None:
                     with contextlib.suppress(Exception):
