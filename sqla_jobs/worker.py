@@ -22,7 +22,9 @@ run user code. The control loop, on each turn:
 5. sleeps until handler threads have something for it, a NOTIFY arrives
    (PostgreSQL) or ``poll_interval`` passes.
 
-A database error on any step is logged and retried with backoff: outcomes
+A database error on any step is logged and retried: at once after a lost
+connection while the server answers (at most half a second apart while it does
+not; see ``connection.retry_pause``), with backoff after any other error. Outcomes
 not yet written stay in memory and are written after reconnecting. They are
 fenced by the claim token, so if the lease ran out meanwhile and another
 worker took the job, the stale result is discarded and logged, never applied.
@@ -60,7 +62,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
-from .connection import harden
+from .connection import harden, retry_pause
 from .context import JobContext, _current
 from .errors import ConfigError, JobCancel, JobSnooze
 from .queue import JobEvent, JobQueue
@@ -232,10 +234,11 @@ class Worker:
                     db_failures = 0
                 except (OperationalError, DBAPIError, PoolTimeout) as exc:  # PoolTimeout: handlers hold the pool
                     db_failures += 1
-                    pause = min(30.0, 0.25 * 2 ** min(db_failures, 7))
+                    pause = retry_pause(self.engine, exc, db_failures)
                     db_retry_at = time.monotonic() + pause
-                    log.warning("worker %s: database error, retrying in %.1fs: %s",
-                                self.name, pause, str(exc).splitlines()[0])
+                    if db_failures <= 5 or db_failures % 60 == 0:  # a long outage: not one line per second
+                        log.warning("worker %s: database error, retrying in %.1fs: %s",
+                                    self.name, pause, str(exc).splitlines()[0])
                     claimed = 0
                 else:
                     if claimed and len(self._running) < self.concurrency:
@@ -251,7 +254,7 @@ class Worker:
             timeout = min(self.poll_interval, max(0.0, next_heartbeat - time.monotonic()))
             if self._unwritten_since is not None:
                 timeout = min(timeout, self._unwritten_since + self.flush_interval - time.monotonic())
-            if db_retry_at > time.monotonic():
+            if db_failures:  # a retry that is due now (the database answers) must not wait for a poll
                 timeout = min(timeout, db_retry_at - time.monotonic())
             self._wake.wait(max(timeout, 0.001))
 
@@ -586,7 +589,12 @@ class Worker:
     # -- LISTEN / NOTIFY -------------------------------------------------------------
 
     def _listen_main(self) -> None:
-        """Wake the control loop when an enqueuing transaction commits; reconnect on errors."""
+        """Wake the control loop when an enqueuing transaction commits; reconnect on errors.
+
+        The first reconnect is immediate (a checkout never hands out a
+        connection the server closed, see connection.py), later ones at most half
+        a second apart, so LISTEN is back within half a second of the server.
+        """
         failures = 0
         while not self._closed.is_set():
             conn = None
@@ -596,6 +604,8 @@ class Worker:
                 raw.detach()  # a long-lived LISTEN connection does not belong in the pool
                 conn.autocommit = True  # type: ignore[union-attr]
                 conn.execute(f'LISTEN "{self.sql.channel}"')  # type: ignore[union-attr]
+                if failures:
+                    log.info("worker %s: LISTEN connection is back", self.name)
                 failures = 0
                 self._wake.set()  # notifications sent while we were away are lost: look now
                 while not self._closed.is_set():
@@ -603,9 +613,11 @@ class Worker:
                         self._wake.set()
             except Exception as exc:
                 failures += 1
-                log.info("worker %s: LISTEN connection failed (%s); polling until it is back",
-                         self.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                self._closed.wait(min(30.0, 0.5 * 2 ** min(failures, 6)))
+                if failures == 1 or failures % 60 == 0:  # a long outage: not one line per second
+                    log.info("worker %s: LISTEN connection failed (%s); polling until it is back",
+                             self.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                if failures > 1:
+                    self._closed.wait(min(0.5, 0.125 * 2 ** min(failures - 2, 2)))
             finally:
                 if conn is not None:
                     with contextlib.suppress(Exception):
