@@ -18,7 +18,9 @@ run user code. The control loop, on each turn:
 4. in one round trip, marks the batch of successful runs finished and claims
    jobs for the free threads (``SQL.finish_and_claim``); successes wait up to
    ``flush_interval`` to be batched, and a claim waits until half the threads
-   are free, unless the worker is idle;
+   are free, unless the worker is idle; a job whose last worker was lost
+   runs alone (claimed only by an idle worker, which then claims nothing
+   else until it ends: see sqla_jobs.lost);
 5. sleeps until handler threads have something for it, a NOTIFY arrives
    (PostgreSQL) or ``poll_interval`` passes.
 
