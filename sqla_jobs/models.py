@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
-from sqlalchemy import DDL, JSON, BigInteger, DateTime, Index, Integer, String, Text, event, text
+from sqlalchemy import DDL, JSON, BigInteger, Boolean, DateTime, Index, Integer, String, Text, event, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 
@@ -272,6 +272,9 @@ class JobMixin(_Common):
     finished_at: Mapped[datetime | None] = mapped_column(_tz(), server_default=_NULL)
     #: Set by a cancel request; a running job sees it when it ends.
     cancelled_at: Mapped[datetime | None] = mapped_column(_tz(), server_default=_NULL)
+    #: Its worker process was lost while it ran: its next run is alone in a worker process
+    #: (see docs/guarantees.md, "Poison jobs"). Cleared when that run ends, whatever the outcome.
+    isolate: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
     @validates("run_at")
     def _check_run_at(self, key: str, value: Any) -> datetime | None:

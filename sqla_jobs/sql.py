@@ -80,6 +80,8 @@ class Claimed:
     max_attempts: int
     priority: int
     token: str
+    #: Its last worker was lost while it ran: the worker runs it alone (see docs/guarantees.md).
+    isolated: bool = False
 
     @property
     def fence(self) -> Fence:
@@ -110,7 +112,10 @@ def notify_channel(table: Table) -> str:
 # `id = ANY(ids) AND token = ANY(tokens)` test could match a job we re-claimed
 # under another token); the pairs travel as one "id:token,…" string because
 # the driver's array adaptation was a quarter of the worker's time. `due` is
-# MATERIALIZED so exactly `limit` rows are locked; `claimed` takes them.
+# MATERIALIZED so exactly `limit` rows are locked; `claimed` takes them, except
+# jobs marked `isolate` (their worker was lost while they ran): an idle worker
+# (`alone`) takes the most urgent of those and nothing else; a busy one leaves
+# them and learns of them from the rows with `claimed` NULL (see Claim.isolated_waiting).
 _PG_FINISH_AND_CLAIM = """
 WITH done AS (
     UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL
@@ -121,21 +126,27 @@ WITH done AS (
     WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running'
     RETURNING j.id
 ), due AS MATERIALIZED (
-    SELECT id FROM {table}
+    SELECT id, isolate, priority, run_at FROM {table}
     WHERE state = 'pending' AND run_at <= now() {queue_filter}
     ORDER BY priority DESC, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), alone AS (
+    SELECT id FROM due WHERE isolate AND %(alone)s ORDER BY priority DESC, run_at, id LIMIT 1
 ), claimed AS (
     UPDATE {table} AS j
     SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
         claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
     FROM due WHERE j.id = due.id
-    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at
+        AND (due.id IN (SELECT id FROM alone) OR NOT (due.isolate OR EXISTS (SELECT FROM alone)))
+    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate
 )
-SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at FROM claimed
+SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at, isolate FROM claimed
 UNION ALL
-SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
+SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
+UNION ALL
+SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
+WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
 
 
@@ -318,15 +329,22 @@ class SQL:
         token: str,
         lease: float,
         queues: Sequence[str] | None,
-    ) -> tuple[set[int], list[Claimed]]:
-        """Mark ``fences`` finished and claim up to ``limit`` due jobs; returns (finished ids, claimed).
+        *,
+        alone: bool = False,
+    ) -> tuple[set[int], list[Claimed], bool]:
+        """Mark ``fences`` finished and claim up to ``limit`` due jobs.
 
-        The worker's hot path. On PostgreSQL it is one statement, so one round
-        trip per batch; elsewhere two statements in one write transaction.
+        Returns (finished ids, claimed, isolated_waiting). The worker's hot path.
+        On PostgreSQL it is one statement, so one round trip per batch; elsewhere
+        a few statements in one write transaction. Jobs marked ``isolate`` are
+        claimed only with ``alone`` (the worker runs nothing), one at a time and
+        with nothing else; ``isolated_waiting`` says such a job was among the
+        most urgent ``limit`` and was left, so the worker should drain and claim alone.
         """
         if not self.postgres:
-            return self.finish(conn, fences), self.claim(conn, limit, worker, token, lease, queues)
-        return self._pg_finish_and_claim(conn, fences, limit, worker, token, lease, queues, ordered=False)
+            claimed, waiting = self._sqlite_claim(conn, limit, worker, token, lease, queues, alone)
+            return self.finish(conn, fences), claimed, waiting
+        return self._pg_finish_and_claim(conn, fences, limit, worker, token, lease, queues, ordered=False, alone=alone)
 
     def _pg_finish_and_claim(
         self,
@@ -339,7 +357,8 @@ class SQL:
         queues: Sequence[str] | None,
         *,
         ordered: bool,
-    ) -> tuple[set[int], list[Claimed]]:
+        alone: bool = False,
+    ) -> tuple[set[int], list[Claimed], bool]:
         params = {
             "fences": ",".join(f"{job_id}:{job_token}" for job_id, job_token in fences),
             "limit": limit,
@@ -347,6 +366,7 @@ class SQL:
             "token": token,
             "lease": float(lease),
             "queues": list(queues or ()),
+            "alone": alone,
         }
         # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
         # result machinery was a fifth of the worker's time. Errors are wrapped
@@ -364,23 +384,60 @@ class SQL:
             if isinstance(exc, conn.dialect.loaded_dbapi.Error):
                 raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
             raise
-        finished = {r[1] for r in rows if not r[0]}
+        finished = {r[1] for r in rows if r[0] is False}
         claimed = [r for r in rows if r[0]]
+        waiting = any(r[0] is None for r in rows)  # an isolated job was left for an idle worker
         if ordered:  # the worker does not need it: a batch never exceeds its free threads, all start at once
             claimed.sort(key=lambda r: (-r[7], r[8], r[1]))
-        return finished, [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token) for r in claimed]
+        jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token, bool(r[9])) for r in claimed]
+        return finished, jobs, waiting
 
     def claim(
-        self, conn: Connection, limit: int, worker: str, token: str, lease: float, queues: Sequence[str] | None
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        *,
+        alone: bool = False,
     ) -> list[Claimed]:
-        """Claim up to ``limit`` due jobs, returned in claim order (most urgent, then oldest, first)."""
+        """Claim up to ``limit`` due jobs, returned in claim order (most urgent, then oldest, first).
+
+        Isolated jobs follow ``finish_and_claim``'s rule.
+        """
         if self.postgres:  # the worker's own statement, so what is tested is what runs
-            return self._pg_finish_and_claim(conn, [], limit, worker, token, lease, queues, ordered=True)[1]
+            return self._pg_finish_and_claim(
+                conn, [], limit, worker, token, lease, queues, ordered=True, alone=alone
+            )[1]
+        return self._sqlite_claim(conn, limit, worker, token, lease, queues, alone)[0]
+
+    def _sqlite_claim(
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        alone: bool,
+    ) -> tuple[list[Claimed], bool]:
+        """SQLite's claim, under BEGIN IMMEDIATE: choose among the due window, then take the rows."""
+        if limit <= 0:
+            return [], False
         t = self.jobs
-        due = select(t.c.id).where(t.c.state == "pending", t.c.run_at <= self.now())
+        due = select(t.c.id, t.c.isolate).where(t.c.state == "pending", t.c.run_at <= self.now())
         if queues:
             due = due.where(t.c.queue.in_(queues))
-        due = due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)
+        window = list(conn.execute(due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)))
+        isolated = [r.id for r in window if r.isolate]
+        if alone and isolated:
+            ids, waiting = isolated[:1], len(isolated) > 1  # the window is in claim order: the most urgent one
+        else:
+            ids, waiting = [r.id for r in window if not r.isolate], bool(isolated)
+        if not ids:
+            return [], waiting
         stmt = update(t).values(
             state="running",
             attempts=t.c.attempts + 1,
@@ -389,13 +446,16 @@ class SQL:
             claim_token=token,
             lease_expires_at=self.later(lease),
         )
-        # Under BEGIN IMMEDIATE nobody else writes meanwhile: the subquery needs no row locks.
-        stmt = stmt.where(t.c.id.in_(due.scalar_subquery())).returning(
-            t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority, t.c.run_at
+        # Under BEGIN IMMEDIATE nobody else writes meanwhile: the window read above needs no row locks.
+        stmt = stmt.where(t.c.id.in_(ids)).returning(
+            t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority, t.c.run_at,
+            t.c.isolate,
         )
         # UPDATE … RETURNING has no order: give the batch back in claim order.
         rows = sorted(conn.execute(stmt), key=lambda r: (-r.priority, r.run_at, r.id))
-        return [Claimed(r.id, r.kind, r.queue, r.payload, r.attempts, r.max_attempts, r.priority, token) for r in rows]
+        claimed = [Claimed(r.id, r.kind, r.queue, r.payload, r.attempts, r.max_attempts, r.priority, token,
+                           bool(r.isolate)) for r in rows]
+        return claimed, waiting
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """Insert validated rows (payload already JSON text) in the caller's transaction.
@@ -460,12 +520,16 @@ class SQL:
         attempt: int | None = None,
         refund: bool = False,
         cancel: bool = False,
+        isolate: bool | None = False,
     ) -> bool:
         """Give a running job back: to ``pending`` after ``delay``, or ``cancelled``.
 
         Used for retries (with ``error``), snoozes and shutdown give-backs
         (``refund`` the attempt), and JobCancel (``cancel``). A job whose
         cancellation was requested while it ran ends ``cancelled`` either way.
+        ``isolate``: its next run is alone in a worker process (True: its worker
+        was lost), or not (False: a run ended, so any mark is cleared); None
+        leaves the mark (a shutdown interrupted the run, it did not end it).
         """
         t = self.jobs
         stopped = literal(cancel) | t.c.cancelled_at.is_not(None)
@@ -478,6 +542,8 @@ class SQL:
         }
         if refund:
             values["attempts"] = t.c.attempts - 1
+        if isolate is not None:
+            values["isolate"] = isolate
         if error is not None:
             message = truncate(error)
             values["last_error"] = message
@@ -487,7 +553,7 @@ class SQL:
 
     def give_back(self, conn: Connection, fences: Sequence[Fence]) -> int:
         """Shutdown: unfinished jobs go back to pending now, the interrupted attempt refunded."""
-        given = sum(self.release(conn, fence, refund=True) for fence in fences)
+        given = sum(self.release(conn, fence, refund=True, isolate=None) for fence in fences)
         if given:
             notify(conn, self.jobs)  # an UPDATE fires no trigger: wake the other workers here
         return given
@@ -534,6 +600,23 @@ class SQL:
             .where(t.c.state == "running", t.c.lease_expires_at < self.now())
             .order_by(t.c.lease_expires_at)
             .limit(limit)
+        )
+        if self.postgres:
+            stmt = stmt.with_for_update(skip_locked=True)
+        return list(conn.execute(stmt))
+
+    def held_by(self, conn: Connection, worker: str) -> list[Any]:
+        """Running jobs claimed by ``worker`` (its process is known dead), same columns as ``expired``.
+
+        Reads ``ix_<table>_running``. A row locked at this instant (the dead
+        process's last statement still being undone) is skipped: its lease covers it.
+        """
+        t = self.jobs
+        stmt = (
+            select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by,
+                   t.c.cancelled_at)
+            .where(t.c.state == "running", t.c.locked_by == worker)
+            .order_by(t.c.id)
         )
         if self.postgres:
             stmt = stmt.with_for_update(skip_locked=True)

@@ -18,7 +18,9 @@ run user code. The control loop, on each turn:
 4. in one round trip, marks the batch of successful runs finished and claims
    jobs for the free threads (``SQL.finish_and_claim``); successes wait up to
    ``flush_interval`` to be batched, and a claim waits until half the threads
-   are free, unless the worker is idle;
+   are free, unless the worker is idle; a job whose last worker was lost
+   runs alone (claimed only by an idle worker, which then claims nothing
+   else until it ends: see sqla_jobs.lost);
 5. sleeps until handler threads have something for it, a NOTIFY arrives
    (PostgreSQL) or ``poll_interval`` passes.
 
@@ -65,6 +67,7 @@ from sqlalchemy.orm import Session
 from .connection import harden, retry_pause
 from .context import JobContext, _current
 from .errors import ConfigError, JobCancel, JobSnooze
+from .lost import hand_back
 from .queue import JobEvent, JobQueue
 from .sql import SQL, Claimed, Fence
 
@@ -166,6 +169,10 @@ class Worker:
         self._closed = threading.Event()
         self._signals = 0
         self._conn: Connection | None = None
+        # Poison isolation (docs/guarantees.md): the run of an `isolate` job, during which nothing else
+        # is claimed, and whether a claim left such a job, so the worker drains to claim it alone.
+        self._isolated: Fence | None = None
+        self._isolation_wanted = False
         self.processed = 0  # outcomes written, for tests and the bench
 
     # -- public ------------------------------------------------------------------
@@ -296,8 +303,18 @@ class Worker:
         )
 
     def _should_claim(self) -> bool:
-        """Claim in batches: when at least half the threads are free, or all are idle."""
+        """Claim in batches: when at least half the threads are free, or all are idle.
+
+        Nothing while an isolated job runs; nothing but an isolated job once one
+        is waiting, so the worker drains and then claims it alone.
+        """
         if self._stopping:
+            return False
+        if self._isolated is not None:
+            if self._isolated in self._running and not self._running[self._isolated].abandoned:
+                return False
+            self._isolated = None
+        if self._isolation_wanted and self._live_count:
             return False
         free = self.concurrency - len(self._running)
         return free > 0 and (free * 2 >= self.concurrency or not self._live_count)
@@ -328,10 +345,16 @@ class Worker:
         if ok or limit > 0:
             self._claims += 1
             token = f"{self._token_base}{self._claims:x}"  # unique per claim; hex, so no ':' or ','
+            # Alone: no live run shares the process, so an isolated job may be claimed (and only it).
+            # Abandoned runs are already written off: a crash now costs them nothing.
+            alone = limit > 0 and not self._live_count
             with self._hot() as conn:
-                kept, jobs = self.sql.finish_and_claim(
-                    conn, [o.job.fence for o in ok], max(limit, 0), self.name, token, self.lease, self.queues
+                kept, jobs, waiting = self.sql.finish_and_claim(
+                    conn, [o.job.fence for o in ok], max(limit, 0), self.name, token, self.lease, self.queues,
+                    alone=alone,
                 )
+            if limit > 0:
+                self._isolation_wanted = waiting
             for o in ok:
                 o.written = True
                 self._report(o, "finished" if o.job.id in kept else "lost")
@@ -344,6 +367,10 @@ class Worker:
             timeout = handler.timeout if handler else None
             ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.name)
             self._running[job.fence] = _Run(job, ctx, now, now + timeout if timeout else None)
+            if job.isolated:
+                self._isolated = job.fence
+                log.info("job %d %s attempt %d/%d: its worker was lost last time, so it runs alone in this process",
+                         job.id, job.kind, job.attempt, job.max_attempts)
             if timeout:
                 self._timed += 1
             self._todo.put(job)
@@ -448,31 +475,10 @@ class Worker:
         self._reap()
 
     def _reap(self) -> None:
-        """Hand back jobs whose worker vanished; the lost attempt counts.
-
-        A cancel requested meanwhile is honoured; a lost last attempt goes to
-        the dead letters; anything else is a failed attempt, retried at once.
-        Hooks hear of it only once the transaction has committed.
-        """
-        events = []
-        with self.sql.write(self.engine) as conn:
-            for row in self.sql.expired(conn):
-                error = (f"WorkerLost: worker {row.locked_by} stopped heartbeating "
-                         f"(lease expired) during attempt {row.attempts}")
-                fence = (row.id, row.claim_token)
-                if row.cancelled_at is not None:
-                    self.sql.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
-                    name, what = "cancelled", "worker lost after a cancel request, job cancelled"
-                elif row.attempts >= row.max_attempts:
-                    self.sql.dead_letter(conn, fence, error)
-                    name, what = "dead_letter", "worker lost on the last attempt, moved to dead letters"
-                else:
-                    self.sql.release(conn, fence, error=error, attempt=row.attempts)
-                    name, what = "failed", "worker lost, job handed back to the queue"
-                log.warning("job %d %s attempt %d/%d: %s", row.id, row.kind, row.attempts, row.max_attempts, what)
-                events.append(JobEvent(name, row.id, row.kind, row.queue, row.attempts, row.max_attempts, None, error))
-        for event in events:
-            self.queue.emit(event)
+        """Hand back jobs whose worker vanished, by the rules of sqla_jobs.lost (the lost attempt counts,
+        and the job's next run is alone in its worker process)."""
+        hand_back(self.queue, self.engine, self.sql, self.sql.expired,
+                  "worker {row.locked_by} stopped heartbeating (lease expired)")
 
     def _maybe_prune(self, now: float) -> None:
         """With ``prune_after``: delete one batch of old finished jobs per turn, at most once a minute
