@@ -1,0 +1,67 @@
+"""Outcomes reported exactly as they happened.
+
+A transactional job whose transaction committed is reported finished (log,
+``processed``, hooks, hence metrics), whatever a heartbeat running at the same
+moment saw: the heartbeat must not take the job for lost because its own
+worker just finished it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+from sqlalchemy import create_engine, func, select
+
+from sqla_jobs import JobEvent, Worker
+from tests import app
+from tests.conftest import Database
+
+from .harness import check_invariants, enqueue
+
+pytestmark = pytest.mark.slow
+
+
+def test_committed_transactional_jobs_are_all_reported_finished(db: Database) -> None:
+    # A heartbeat every 20 ms while hundreds of transactional jobs commit: today's race (a heartbeat
+    # between a handler's commit and the control loop collecting its outcome) hits several per cent.
+    n, workers_n = 600, 3
+    ids = enqueue(db.engine, "once", n=n)
+    events: Counter[tuple[str, int]] = Counter()
+    lock = threading.Lock()
+
+    def hook(event: JobEvent) -> None:
+        with lock:
+            events[(event.name, event.id)] += 1
+
+    for name in ("finished", "lost", "failed", "dead_letter"):
+        app.queue.on(name)(hook)
+    engines = [create_engine(db.url, pool_size=8) for _ in range(workers_n)]
+    pool = [Worker(e, app.queue, concurrency=4, lease=1.5, heartbeat=0.02, poll_interval=0.05, listen=False)
+            for e in engines]
+    try:
+        runners = [threading.Thread(target=w.run, kwargs={"burst": True, "install_signals": False}) for w in pool]
+        for runner in runners:
+            runner.start()
+        for runner in runners:
+            runner.join(240)
+        assert not any(r.is_alive() for r in runners), "a worker did not drain in time"
+    finally:
+        for name in ("finished", "lost", "failed", "dead_letter"):
+            app.queue.off(name, hook)
+        for e in engines:
+            e.dispose()
+
+    states = check_invariants(db.engine, ids)
+    assert set(states.values()) == {"finished"}
+    with db.engine.connect() as conn:
+        once_rows = conn.execute(select(func.count()).select_from(app.Once)).scalar_one()
+    assert once_rows == n, "every transactional job committed exactly once"
+    finished = {job_id for (name, job_id) in events if name == "finished"}
+    others = {key: count for key, count in events.items() if key[0] != "finished"}
+    assert not others, f"committed jobs reported as something else: {dict(list(others.items())[:10])}"
+    assert len(finished) == n, f"{n - len(finished)} committed jobs were never reported finished"
+    assert all(events[("finished", job_id)] == 1 for job_id in ids), "a job reported finished twice"
+    assert sum(w.processed for w in pool) == n, "processed counts every committed job once"
+
