@@ -761,6 +761,11 @@ class SQL:
         stmt = select(t.c.cancelled_at.is_not(None)).where(self._fenced([fence]))
         return bool(conn.execute(stmt).scalar())
 
+    def errors_of(self, conn: Connection, fence: Fence) -> list[dict[str, Any]]:
+        """The error history of this (still ours) run's job; empty if none or no longer ours."""
+        t = self.jobs
+        return list(conn.execute(select(t.c.errors).where(self._fenced([fence]))).scalar() or [])
+
     def retry_now(self, conn: Connection, job_id: int) -> str | None:
         """Make a pending (scheduled) job due now. Returns ``"pending"`` when done, else the
         job's state (nothing changed), or None if there is no such job."""

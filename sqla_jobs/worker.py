@@ -81,6 +81,11 @@ _DETAIL = {
     "lost": "claim lost (lease expired or job taken over): result discarded",
     "outage": "the queue database was unreachable, retry at once, attempt not counted: {o.error}",
 }
+#: Attempts interrupted by an outage of the queue database are refunded this many times per job; after
+#: that they count, so a handler that itself breaks the server (a query that crashes its backend) still
+#: ends in the dead letters instead of retrying forever.
+MAX_UNCOUNTED_OUTAGES = 10
+_UNCOUNTED = "(queue database unreachable, attempt not counted)"
 # What hooks hear of each outcome: an outage is a failed run that is retried.
 _EVENT = {**{name: name for name in _DETAIL}, "outage": "failed"}
 
@@ -426,10 +431,10 @@ class Worker:
             elif o.result == "snooze":
                 applied = self.sql.release(conn, job.fence, delay=o.delay, refund=True)
                 name = "snoozed"
-            elif o.result == "outage":
+            elif o.result == "outage" and self._outages(conn, job.fence) < MAX_UNCOUNTED_OUTAGES:
                 # Not the job's fault: refund the attempt, keep the error for the record.
-                applied = self.sql.release(conn, job.fence, error=f"{o.error} (queue database unreachable, "
-                                           "attempt not counted)", attempt=job.attempt, refund=True)
+                applied = self.sql.release(conn, job.fence, error=f"{o.error} {_UNCOUNTED}",
+                                           attempt=job.attempt, refund=True)
                 name = "outage"
             elif o.result == "cancel":
                 applied = self.sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
@@ -442,6 +447,10 @@ class Worker:
                 applied = self.sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
                 name = "failed"
         self._report(o, name if applied else "lost")
+
+    def _outages(self, conn: Connection, fence: Fence) -> int:
+        """How many attempts of this job were already refunded for outages (a rare path: one read)."""
+        return sum(_UNCOUNTED in str(e.get("error", "")) for e in self.sql.errors_of(conn, fence))
 
     def _report(self, o: _Outcome, name: str) -> None:
         job = o.job

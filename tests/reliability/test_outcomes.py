@@ -1,4 +1,4 @@
-"""Outcomes reported exactly as they happened.
+"""Outcomes reported exactly as they happened, and charged to the job only when they are its own.
 
 A transactional job whose transaction committed is reported finished (log,
 ``processed``, hooks, hence metrics), whatever a heartbeat running at the same
@@ -15,10 +15,12 @@ import pytest
 from sqlalchemy import create_engine, func, select
 
 from sqla_jobs import JobEvent, Worker
+from sqla_jobs.worker import MAX_UNCOUNTED_OUTAGES
 from tests import app
 from tests.conftest import Database
+from tests.helpers import run_burst
 
-from .harness import check_invariants, enqueue
+from .harness import check_invariants, dead, enqueue, states
 
 pytestmark = pytest.mark.slow
 
@@ -65,3 +67,28 @@ def test_committed_transactional_jobs_are_all_reported_finished(db: Database) ->
     assert all(events[("finished", job_id)] == 1 for job_id in ids), "a job reported finished twice"
     assert sum(w.processed for w in pool) == n, "processed counts every committed job once"
 
+
+
+def test_a_handler_failing_on_another_database_is_charged(pg: Database) -> None:
+    """Only the queue database's outages are refunded: a handler that cannot reach its other database
+    failed on its own, and with max_attempts=1 that is the end of it."""
+    [job_id] = enqueue(pg.engine, "other_db_down", max_attempts=1)
+    run_burst(pg.engine, listen=False)
+    assert states(pg.engine, [job_id]) == {job_id: "dead"}
+    row = dead(pg.engine, job_id)
+    assert row.attempts == 1 and "OperationalError" in row.last_error
+    assert "not counted" not in row.last_error
+
+
+def test_queue_connection_dropped_under_a_handler_is_refunded_a_bounded_number_of_times(pg: Database) -> None:
+    """The handler's session (the worker's engine) loses its server process: an outage of the queue
+    database, so the attempt is refunded and the job runs again at once. A handler that does this every
+    time is not retried forever: after MAX_UNCOUNTED_OUTAGES refunds its attempts count again."""
+    [job_id] = enqueue(pg.engine, "kill_own_backend", max_attempts=1)
+    run_burst(pg.engine, listen=False)
+    assert states(pg.engine, [job_id]) == {job_id: "dead"}
+    row = dead(pg.engine, job_id)
+    uncounted = [e for e in row.errors if "attempt not counted" in e["error"]]
+    assert len(uncounted) == MAX_UNCOUNTED_OUTAGES
+    assert all(e["attempt"] == 1 for e in uncounted), "every refunded run was attempt 1"
+    assert len(row.errors) == MAX_UNCOUNTED_OUTAGES + 1 and row.attempts == 1
