@@ -26,6 +26,8 @@ A database error on any step is logged and retried with backoff: outcomes
 not yet written stay in memory and are written after reconnecting. They are
 fenced by the claim token, so if the lease ran out meanwhile and another
 worker took the job, the stale result is discarded and logged, never applied.
+A handler that failed because a connection to the queue database dropped
+under it (outage.py) has its attempt refunded, not charged.
 
 On SIGTERM or SIGINT the worker stops claiming, lets running handlers finish
 for up to ``grace`` seconds, gives the rest back to the queue (the attempt is
