@@ -116,6 +116,9 @@ class _Outcome:
     error: str = ""
     delay: float = 0.0
     written: bool = field(default=False)
+    # The failure came after the fenced finish, from the commit itself: the commit may have
+    # applied with its reply lost, so a write that finds the job no longer running checks.
+    committing: bool = False
 
 
 class Worker:
@@ -448,6 +451,8 @@ class Worker:
                 o.delay = self.queue.retry_delay(job.kind, job.attempt)
                 applied = self.sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
                 name = "failed"
+            if not applied and o.committing and self.sql.finished_under(conn, job.fence):
+                applied, name = True, "finished"  # the commit went through; only its reply was lost
         self._report(o, name if applied else "lost")
 
     def _outages(self, conn: Connection, fence: Fence) -> int:
@@ -617,7 +622,9 @@ class Worker:
                 log.warning("job %d %s: handler raised %s; treated as a failure", job.id, job.kind, type(exc).__name__)
             # A connection to the queue database dropped or could not be opened during this
             # attempt (see outage.py): the failure is the outage's, not the job's.
-            return outcome("outage" if self._database in dropped else "error", f"{type(exc).__name__}: {exc}")
+            failed = outcome("outage" if self._database in dropped else "error", f"{type(exc).__name__}: {exc}")
+            failed.committing = run.finishing
+            return failed
         finally:
             _current.reset(token)
 

@@ -12,7 +12,9 @@ import threading
 from collections import Counter
 
 import pytest
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine, event, func, select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
 
 from sqla_jobs import JobEvent, Worker
 from sqla_jobs.worker import MAX_UNCOUNTED_OUTAGES
@@ -92,3 +94,28 @@ def test_queue_connection_dropped_under_a_handler_is_refunded_a_bounded_number_o
     assert len(uncounted) == MAX_UNCOUNTED_OUTAGES
     assert all(e["attempt"] == 1 for e in uncounted), "every refunded run was attempt 1"
     assert len(row.errors) == MAX_UNCOUNTED_OUTAGES + 1 and row.attempts == 1
+
+
+def test_a_commit_whose_reply_was_lost_is_reported_finished(db: Database) -> None:
+    """The transactional handler's commit applies, then the call fails (the reply never came back):
+    the worker's fenced retry write finds the job finished under its own claim and says so."""
+    [job_id] = enqueue(db.engine, "once", max_attempts=5)
+    heard: list[tuple[str, int]] = []
+
+    def hook(event: JobEvent) -> None:
+        heard.append((event.name, event.id))
+
+    def reply_lost(session: Session) -> None:
+        raise OperationalError("COMMIT", {}, ConnectionError("the reply to COMMIT was lost"))
+
+    for name in ("finished", "lost", "failed"):
+        app.queue.on(name)(hook)
+    event.listen(Session, "after_commit", reply_lost)
+    try:
+        worker = run_burst(db.engine, listen=False)
+    finally:
+        event.remove(Session, "after_commit", reply_lost)
+        for name in ("finished", "lost", "failed"):
+            app.queue.off(name, hook)
+    assert check_invariants(db.engine, [job_id]) == {job_id: "finished"}
+    assert heard == [("finished", job_id)] and worker.processed == 1
