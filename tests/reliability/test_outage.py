@@ -133,16 +133,16 @@ def test_server_restarts_do_not_use_up_attempts(
     pool = [workers(private_db.url, concurrency=3, lease=60, heartbeat=0.5) for _ in range(2)]
     ids = []
     for _ in range(150):
-        ids += enqueue(engine, "once", {"sleep": 0.05}, max_attempts=2)
-        ids += enqueue(engine, "record", {"sleep": 0.05}, max_attempts=2)
+        ids += enqueue(engine, "once", {"sleep": 0.1}, max_attempts=2)
+        ids += enqueue(engine, "record", {"sleep": 0.1}, max_attempts=2)
 
     def finished() -> int:
         with engine.connect() as conn:
             return int(conn.execute(text("select count(*) from jobs where state = 'finished'")).scalar_one())
 
-    for mode in ("fast", "immediate", "fast"):
-        before = finished()
-        wait_for(lambda: finished() >= before + 20, 120, "the workers to get going again")  # noqa: B023
+    # Restart at a quarter, half and three quarters of the drain: always while jobs remain.
+    for quarter, mode in enumerate(("fast", "immediate", "fast"), start=1):
+        wait_for(lambda: finished() >= quarter * len(ids) // 4, 120, "the workers to get going again")  # noqa: B023
         private_cluster.stop(mode)
         time.sleep(1.5)
         private_cluster.start()
