@@ -844,6 +844,17 @@ class SQL:
         stmt = select(t.c.cancelled_at.is_not(None)).where(self._fenced([fence]))
         return bool(conn.execute(stmt).scalar())
 
+    def finished_under(self, conn: Connection, fence: Fence) -> bool:
+        """Whether the job was finished under this claim (the finish keeps the claim token)."""
+        t = self.jobs
+        stmt = select(t.c.id).where(t.c.id == fence[0], t.c.claim_token == fence[1], t.c.state == "finished")
+        return conn.execute(stmt).first() is not None
+
+    def errors_of(self, conn: Connection, fence: Fence) -> list[dict[str, Any]]:
+        """The error history of this (still ours) run's job; empty if none or no longer ours."""
+        t = self.jobs
+        return list(conn.execute(select(t.c.errors).where(self._fenced([fence]))).scalar() or [])
+
     def retry_now(self, conn: Connection, job_id: int) -> str | None:
         """Make a pending (scheduled) job due now. Returns ``"pending"`` when done, else the
         job's state (nothing changed), or None if there is no such job."""

@@ -30,6 +30,8 @@ not; see ``connection.retry_pause``), with backoff after any other error. Outcom
 not yet written stay in memory and are written after reconnecting. They are
 fenced by the claim token, so if the lease ran out meanwhile and another
 worker took the job, the stale result is discarded and logged, never applied.
+A handler that failed because a connection to the queue database dropped
+under it (outage.py) has its attempt refunded, not charged.
 
 On SIGTERM or SIGINT the worker stops claiming, lets running handlers finish
 for up to ``grace`` seconds, gives the rest back to the queue (the attempt is
@@ -68,6 +70,7 @@ from .connection import harden, retry_pause
 from .context import JobContext, _current
 from .errors import ConfigError, JobCancel, JobSnooze
 from .lost import hand_back
+from .outage import database_key, watch
 from .queue import JobEvent, JobQueue
 from .sql import SQL, Claimed, Fence
 
@@ -83,7 +86,15 @@ _DETAIL = {
     "cancelled": "cancelled: {o.error}",
     "snoozed": "snoozed for {o.delay:g}s",
     "lost": "claim lost (lease expired or job taken over): result discarded",
+    "outage": "the queue database was unreachable, retry at once, attempt not counted: {o.error}",
 }
+#: Attempts interrupted by an outage of the queue database are refunded this many times per job; after
+#: that they count, so a handler that itself breaks the server (a query that crashes its backend) still
+#: ends in the dead letters instead of retrying forever.
+MAX_UNCOUNTED_OUTAGES = 10
+_UNCOUNTED = "(queue database unreachable, attempt not counted)"
+# What hooks hear of each outcome: an outage is a failed run that is retried.
+_EVENT = {**{name: name for name in _DETAIL}, "outage": "failed"}
 
 
 class _ClaimLost(Exception):
@@ -97,16 +108,22 @@ class _Run:
     started: float
     deadline: float | None
     abandoned: bool = False  # timed out, lost or given back: the thread's result is discarded
+    # Its transaction holds the fenced finish and is committing: from then on the
+    # run's fate is that commit's, so it is never abandoned (see _abandon).
+    finishing: bool = False
 
 
 @dataclass
 class _Outcome:
     job: Claimed
-    result: str  # ok | committed | error | snooze | cancel | lost
+    result: str  # ok | committed | error | outage | snooze | cancel | lost
     duration: float
     error: str = ""
     delay: float = 0.0
     written: bool = field(default=False)
+    # The failure came after the fenced finish, from the commit itself: the commit may have
+    # applied with its reply lost, so a write that finds the job no longer running checks.
+    committing: bool = False
 
 
 class Worker:
@@ -159,6 +176,8 @@ class Worker:
         self._todo: stdlib_queue.SimpleQueue[Claimed | None] = stdlib_queue.SimpleQueue()
         self._done: stdlib_queue.SimpleQueue[tuple[_Run, _Outcome]] = stdlib_queue.SimpleQueue()
         self._running: dict[Fence, _Run] = {}
+        self._fate = threading.Lock()  # orders _abandon against a transactional run starting to commit
+        self._database = database_key(engine.url)
         self._abandoned = 0  # how many of _running were given up on
         self._token_base = uuid.uuid4().hex[:16]
         self._claims = 0
@@ -403,19 +422,28 @@ class Worker:
         """Runs whose result still counts (checked several times per job, so not a list)."""
         return len(self._running) - self._abandoned
 
-    def _abandon(self, run: _Run) -> None:
-        """Give up on a run: its thread may go on, but its result will be discarded."""
-        if not run.abandoned:
-            run.abandoned = True
-            self._abandoned += 1
-            run.ctx.cancelled.set()
+    def _abandon(self, run: _Run) -> bool:
+        """Give up on a run: its thread may go on, but its result will be discarded.
+
+        Returns False, and changes nothing, when the run's transaction already
+        holds its fenced finish and is committing: the job is then finished by
+        that commit (or, if the commit fails, its error is written as usual), so
+        discarding the result would misreport a job that did finish.
+        """
+        with self._fate:
+            if run.finishing:
+                return False
+            if not run.abandoned:
+                run.abandoned = True
+                self._abandoned += 1
+                run.ctx.cancelled.set()
+            return True
 
     def _check_timeouts(self, now: float) -> None:
         if not self._timed:
             return
         for run in self._live():
-            if run.deadline is not None and now > run.deadline:
-                self._abandon(run)
+            if run.deadline is not None and now > run.deadline and self._abandon(run):
                 timeout = run.deadline - run.started
                 self._add_unwritten(_Outcome(run.job, "error", now - run.started,
                                                 f"TimeoutError: handler ran past its {timeout:g}s timeout"))
@@ -431,13 +459,18 @@ class Worker:
         # The rare outcomes, in one transaction each: whether a cancel was
         # requested while the job ran decides what the write is.
         with self.sql.write(self.engine) as conn:
-            if o.result in ("snooze", "error") and self.sql.cancel_requested(conn, job.fence):
+            if o.result in ("snooze", "error", "outage") and self.sql.cancel_requested(conn, job.fence):
                 # `jobs cancel` came while it ran: no retry, no dead letter.
                 applied = self.sql.release(conn, job.fence, error=o.error or None, attempt=job.attempt, cancel=True)
                 name = "cancelled"
             elif o.result == "snooze":
                 applied = self.sql.release(conn, job.fence, delay=o.delay, refund=True)
                 name = "snoozed"
+            elif o.result == "outage" and self._outages(conn, job.fence) < MAX_UNCOUNTED_OUTAGES:
+                # Not the job's fault: refund the attempt, keep the error for the record.
+                applied = self.sql.release(conn, job.fence, error=f"{o.error} {_UNCOUNTED}",
+                                           attempt=job.attempt, refund=True)
+                name = "outage"
             elif o.result == "cancel":
                 applied = self.sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
                 name = "cancelled"
@@ -448,7 +481,13 @@ class Worker:
                 o.delay = self.queue.retry_delay(job.kind, job.attempt)
                 applied = self.sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
                 name = "failed"
+            if not applied and o.committing and self.sql.finished_under(conn, job.fence):
+                applied, name = True, "finished"  # the commit went through; only its reply was lost
         self._report(o, name if applied else "lost")
+
+    def _outages(self, conn: Connection, fence: Fence) -> int:
+        """How many attempts of this job were already refunded for outages (a rare path: one read)."""
+        return sum(_UNCOUNTED in str(e.get("error", "")) for e in self.sql.errors_of(conn, fence))
 
     def _report(self, o: _Outcome, name: str) -> None:
         job = o.job
@@ -457,19 +496,21 @@ class Worker:
         if log.isEnabledFor(level):  # this runs per job: format only what is printed
             log.log(level, "job %d %s attempt %d/%d (%.1f ms): %s", job.id, job.kind, job.attempt,
                     job.max_attempts, o.duration * 1000, _DETAIL[name].format(o=o))
-        if self.queue.listens(name):
-            self.queue.emit(JobEvent(name, job.id, job.kind, job.queue, job.attempt, job.max_attempts,
+        event = _EVENT[name]
+        if self.queue.listens(event):
+            self.queue.emit(JobEvent(event, job.id, job.kind, job.queue, job.attempt, job.max_attempts,
                                      o.duration, o.error or None))
 
     def _heartbeat_and_reap(self) -> None:
-        held = [run.job.fence for run in self._live()] + [o.job.fence for o in self._unwritten]
+        held = [run.job.fence for run in self._live()]
+        held += [o.job.fence for o in self._unwritten if o.result not in ("committed", "lost")]  # no longer ours
         if held:
             with self._hot() as conn:
                 kept = self.sql.heartbeat(conn, held, self.lease)
             for fence in set(held) - kept:
                 run = self._running.get(fence)
-                if run is not None and not run.abandoned:
-                    self._abandon(run)
+                # Not abandoned when it is committing: then it is gone because we just finished it.
+                if run is not None and not run.abandoned and self._abandon(run):
                     log.warning("job %d %s: lease lost while running; its result will be discarded",
                                 run.job.id, run.job.kind)
         self._reap()
@@ -493,7 +534,13 @@ class Worker:
         self._next_prune = now + (1.0 if deleted >= batch else 60.0)
 
     def _give_back(self) -> None:
-        """Grace is over: return unfinished jobs to the queue so they run again promptly."""
+        """Grace is over: return unfinished jobs to the queue so they run again promptly.
+
+        The give-back is fenced, so it cannot undo a transactional run that
+        finished meanwhile (on SQLite it waits for that run's write lock, and
+        the run finishes); such a run is not abandoned but waited for briefly,
+        so its completion is reported like any other.
+        """
         live = self._live()
         try:
             self._exchange(write=True, claim=False)
@@ -505,8 +552,17 @@ class Worker:
         except (OperationalError, DBAPIError, PoolTimeout) as exc:
             log.warning("worker %s: could not give jobs back (%s); their leases will expire",
                         self.name, str(exc).splitlines()[0])
-        for run in live:
-            self._abandon(run)
+        committing = [run for run in live if not self._abandon(run)]
+        deadline = time.monotonic() + 5.0  # a commit in flight, not a handler: seconds at most
+        while any(run.job.fence in self._running for run in committing) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._collect()
+        if self._unwritten:
+            try:
+                self._exchange(write=True, claim=False)
+            except (OperationalError, DBAPIError, PoolTimeout) as exc:
+                log.warning("worker %s: could not record %d outcome(s) (%s); their leases will expire",
+                            self.name, len(self._unwritten), str(exc).splitlines()[0])
 
     # -- handler threads ------------------------------------------------------------
 
@@ -550,16 +606,18 @@ class Worker:
         if self.queue.listens("started"):
             self.queue.emit(JobEvent("started", job.id, job.kind, job.queue, job.attempt, job.max_attempts))
         token = _current.set(ctx)
+        dropped: set[Any]
         try:
-            if handler.transactional:
-                self._execute_in_transaction(run, handler.fn)
-                return outcome("committed")
-            if handler.is_async:
-                assert loop is not None
-                loop.run_until_complete(asyncio.wait_for(handler.fn(job.payload), handler.timeout))
-            else:
-                handler.fn(job.payload)
-            return outcome("ok")
+            with watch() as dropped:
+                if handler.transactional:
+                    self._execute_in_transaction(run, handler.fn)
+                    return outcome("committed")
+                if handler.is_async:
+                    assert loop is not None
+                    loop.run_until_complete(asyncio.wait_for(handler.fn(job.payload), handler.timeout))
+                else:
+                    handler.fn(job.payload)
+                return outcome("ok")
         except JobSnooze as snooze:
             return outcome("snooze", delay=snooze.seconds)
         except JobCancel as cancel:
@@ -571,7 +629,11 @@ class Worker:
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 log.warning("job %d %s: handler raised %s; treated as a failure", job.id, job.kind, type(exc).__name__)
-            return outcome("error", f"{type(exc).__name__}: {exc}")
+            # A connection to the queue database dropped or could not be opened during this
+            # attempt (see outage.py): the failure is the outage's, not the job's.
+            failed = outcome("outage" if self._database in dropped else "error", f"{type(exc).__name__}: {exc}")
+            failed.committing = run.finishing
+            return failed
         finally:
             _current.reset(token)
 
@@ -585,6 +647,10 @@ class Worker:
                 session.flush()
                 if run.abandoned or not self.sql.finish(session.connection(), [run.job.fence]):
                     raise _ClaimLost()
+                with self._fate:  # from here the job is finished iff this commit succeeds
+                    if run.abandoned:
+                        raise _ClaimLost()
+                    run.finishing = True
             except BaseException:
                 session.rollback()
                 raise
