@@ -252,7 +252,8 @@ class PayloadType(TypeDecorator[Any]):
             self.impl = impl
 
     def bind_processor(self, dialect: Dialect) -> Any:
-        inner = self.impl_instance.bind_processor(dialect)
+        # dialect_impl: a variant's impl comes here unadapted (plain JSONB, not psycopg's).
+        inner = self.impl_instance.dialect_impl(dialect).bind_processor(dialect)
 
         def process(value: Any) -> Any:
             text = _take(value) if type(value) is dict else None

@@ -283,3 +283,13 @@ def test_accepted_round_trips_as_documented_refused_is_invalid_job_and_the_busin
     with Session(db.engine) as session:
         back = session.scalars(select(app.Job.payload)).one()
     assert identical(back, documented(payload, db.backend))
+
+
+def test_payloads_bound_without_a_flush_are_encoded_as_before(db: Database) -> None:
+    """Core statements (the worker's dead-letter move, an UPDATE) bind the dict itself: still plain JSON."""
+    from sqlalchemy import insert
+
+    with db.engine.begin() as conn:
+        conn.execute(insert(app.Job.__table__).values(kind="noop", payload={"core": [1, "é"]}))
+    with Session(db.engine) as session:
+        assert session.scalars(select(app.Job.payload)).one() == {"core": [1, "é"]}
