@@ -18,7 +18,7 @@ from .errors import (
     SchemaError,
     SqlaJobsError,
 )
-from .models import MAX_PAYLOAD_BYTES, DeadJobMixin, JobMixin
+from .models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
 from .queue import JobEvent, JobQueue
 from .worker import Worker
 
@@ -27,6 +27,7 @@ __version__ = "0.1.0"
 __all__ = [
     "MAX_ERROR_LENGTH",
     "MAX_PAYLOAD_BYTES",
+    "MAX_PAYLOAD_DEPTH",
     "Backoff",
     "ConfigError",
     "ConnectionProblem",

@@ -84,6 +84,7 @@ from sqlalchemy.dialects.postgresql import JSON as PG_JSON
 from sqlalchemy.dialects.postgresql import JSONB
 
 from ._alembic_compare import _leave_our_indexes_to_us, _server_defaults_of_job_tables, _with_our_indexes, job_tables
+from ._payload import PayloadType
 from .drivers import driver_class_of, normalise_url, registered
 from .errors import ConfigError
 
@@ -121,6 +122,15 @@ def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | 
     with ``sa.Text()`` for their ``astext_type`` and the import they need, so
     the revision runs no matter which database it was generated against.
     """
+    if type_ == "type" and isinstance(obj, PayloadType):
+        # The payload column's type is internal; to the database it is JSON (jsonb on PostgreSQL).
+        prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""
+        rendered = f"{prefix}{obj.impl_instance!r}"
+        for dialect, variant in sorted(getattr(obj, "_variant_mapping", {}).items()):
+            inner = variant.impl_instance if isinstance(variant, PayloadType) else variant
+            shown = render_item("type", inner, autogen_context)
+            rendered += f".with_variant({shown if shown is not False else prefix + repr(inner)}, {dialect!r})"
+        return rendered
     if type_ == "type" and isinstance(obj, (JSONB, PG_JSON)):
         autogen_context.imports.add("from sqlalchemy.dialects import postgresql")
         prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""

@@ -17,9 +17,11 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,6 +33,7 @@ from ._bootstrap import load_app, make_engine, worker_pool_size
 from .cli_migrations import add_migrations_parser
 from .durations import format_duration, parse_duration
 from .errors import ConfigError, ConnectionProblem, NotFound, SchemaError, SqlaJobsError
+from .lost import hand_back
 from .models import STATES
 from .queue import JobQueue
 from .stats import stats_tables
@@ -55,7 +58,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.processes > 1:
         engine.dispose()
         queue.check_schema(engine)
-        return supervise(args)
+        return supervise(args, queue, engine)
     worker = Worker(
         engine,
         queue,
@@ -66,6 +69,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         poll_interval=args.poll_interval,
         grace=args.grace,
         listen=not args.no_listen,
+        name=args.name.replace("{pid}", str(os.getpid())) if args.name else None,
         prune_after=parse_duration(args.prune_finished_older_than) if args.prune_finished_older_than else None,
     )
     if args.metrics_port is not None:
@@ -79,21 +83,38 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return worker.run(burst=args.burst)
 
 
-def supervise(args: argparse.Namespace) -> int:
+def supervise(args: argparse.Namespace, queue: JobQueue[Any, Any], engine: Engine) -> int:
     """Run ``--processes`` worker processes; forward SIGTERM/SIGINT; restart any that crash.
 
     Each child is ``sqla-jobs worker`` with the same options and one process,
     so each has its own GIL, connections and LISTEN. A child that dies
     (a poison job that kills its process, an OOM kill) is started again after a
-    pause; its running jobs come back when their leases expire.
+    pause; its running jobs are handed back at once, by the lease reaper's
+    rules (``sqla_jobs.lost``), instead of after a whole lease. For that the
+    supervisor names each child (``--name``), so it knows which jobs were its.
     """
-    argv = list(args.argv)
-    if "--processes" in argv:
-        i = argv.index("--processes")
-        del argv[i : i + 2]
-    argv = [a for a in argv if not a.startswith("--processes=")]
-    command = [sys.executable, "-m", "sqla_jobs.cli", *argv]
+    argv = _without_options(list(args.argv), "--processes", "--name")
+    prefix = args.name or socket.gethostname()
     stopping = False
+
+    def start() -> tuple[subprocess.Popen[bytes], str]:
+        # A fresh name per process started, so a replacement never answers for its predecessor's jobs.
+        name = f"{prefix}:{{pid}}:{uuid.uuid4().hex[:6]}"
+        child = subprocess.Popen([sys.executable, "-m", "sqla_jobs.cli", *argv, "--name", name])
+        return child, name.replace("{pid}", str(child.pid))
+
+    def died(child: subprocess.Popen[bytes], name: str) -> None:
+        """Hand back what the dead child was running; on a database error, its leases still cover it."""
+        try:
+            sql = queue.driver(engine)
+            count = hand_back(queue, engine, sql, lambda conn: sql.held_by(conn, name),
+                              f"worker process {name} exited with {child.returncode}")
+        except DBAPIError as exc:
+            log.warning("could not hand back the jobs of worker %s (%s); their leases will expire",
+                        name, str(exc.orig or exc).strip().splitlines()[0])
+            return
+        if count:
+            log.warning("handed back %d job(s) of worker process %d", count, child.pid)
 
     def forward(signum: int, frame: Any) -> None:
         nonlocal stopping
@@ -102,16 +123,24 @@ def supervise(args: argparse.Namespace) -> int:
             if child.poll() is None:
                 child.send_signal(signum)
 
-    children = [subprocess.Popen(command) for _ in range(args.processes)]
+    started = [start() for _ in range(args.processes)]
+    children = [child for child, _name in started]
+    names = [name for _child, name in started]
     previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
     log.info("supervising %d worker processes: %s", len(children), ", ".join(str(c.pid) for c in children))
     status = 0
+    unreplaced: set[int] = set()
     try:
         while any(child.poll() is None for child in children) or not (stopping or args.burst):
             time.sleep(0.2)
             for i, child in enumerate(children):
                 code = child.poll()
-                if code is None or stopping or (args.burst and code == 0):
+                if code is None or names[i] == "":
+                    continue
+                if code != 0:
+                    died(child, names[i])
+                names[i] = ""  # handed back once
+                if stopping or (args.burst and code == 0):
                     continue
                 if code == 2:  # bad configuration: another start would fail the same way
                     log.error("worker process %d failed to start; stopping the others", child.pid)
@@ -119,12 +148,38 @@ def supervise(args: argparse.Namespace) -> int:
                     continue
                 log.warning("worker process %d exited with %s; starting another in 1 s", child.pid, code)
                 time.sleep(1.0)
-                children[i] = subprocess.Popen(command)
-        status = max((child.returncode or 0) for child in children)
+                if stopping:  # a signal came during the pause: a child started now would never hear of it
+                    unreplaced.add(i)  # its crash was handled like the others: not the stop's exit status
+                    continue
+                children[i], names[i] = start()
+        status = max((_stop_status(child.returncode, stopping) for i, child in enumerate(children)
+                      if i not in unreplaced), default=0)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     return status
+
+
+def _stop_status(code: int | None, stopping: bool) -> int:
+    """A child's part in the supervisor's exit status: dying of the stop signal we forwarded (it came
+    before the child set up its handlers, so it ran nothing) is a clean stop; another signal is a failure."""
+    if code is None or (stopping and code in (-signal.SIGTERM, -signal.SIGINT)):
+        return 0
+    return 1 if code < 0 else code
+
+
+def _without_options(argv: list[str], *names: str) -> list[str]:
+    """``argv`` without the given options and their values (``--opt V`` and ``--opt=V``)."""
+    out: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in names:
+            skip = True
+        elif not any(arg.startswith(f"{name}=") for name in names):
+            out.append(arg)
+    return out
 
 
 def _open(args: argparse.Namespace) -> tuple[JobQueue[Any, Any], Engine]:
@@ -386,6 +441,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-listen", action="store_true", help="poll only (e.g. behind PgBouncer)")
     p.add_argument("--processes", type=int, default=1,
                    help="worker processes, each with --concurrency threads (default 1)")
+    p.add_argument("--name", default=None,
+                   help="worker name shown in locked_by and logs; {pid} becomes the process id "
+                        "(default HOST:PID:RANDOM; with --processes, each gets NAME:PID:RANDOM)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (needs sqla-jobs[prometheus])")
     p.add_argument("--metrics-addr", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")

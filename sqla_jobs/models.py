@@ -34,9 +34,11 @@ table (``DeadJobMixin``), from which a person can requeue it.
 
 Fields are checked when set and again at flush, so a bad job fails before your
 business transaction commits: ``kind`` must be a non-empty string,
-``payload`` a JSON object that PostgreSQL's ``jsonb`` accepts (no NaN or
-infinities, no ``\\u0000`` or lone surrogates, string keys only) of at most
-``MAX_PAYLOAD_BYTES`` once encoded, and ``max_attempts`` at least 1.
+``payload`` a JSON object that both backends store and give back as sent
+(see ``sqla_jobs._payload`` and docs/howto/enqueue.md: no NaN or infinities,
+no ``\\u0000`` or lone surrogates, string keys, no tuples, 64-bit ints, at most
+``MAX_PAYLOAD_DEPTH`` levels and ``MAX_PAYLOAD_BYTES`` once encoded), and
+``max_attempts`` at least 1.
 
 If you need ``__table_args__`` of your own (a schema, extra indexes), build
 them with ``JobMixin.table_args(...)`` so the queue's own indexes stay::
@@ -48,25 +50,21 @@ them with ``JobMixin.table_args(...)`` so the queue's own indexes stay::
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
-from sqlalchemy import JSON, BigInteger, DateTime, Index, Integer, String, Text, event, text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Index, Integer, String, Text, event, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 
+from . import _payload
+from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, PayloadType
 from .drivers import attach_table_events
 from .errors import InvalidJob
 
-__all__ = ["MAX_PAYLOAD_BYTES", "STATES", "DeadJobMixin", "JobMixin"]
+__all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin"]
 
-#: Largest payload accepted, in bytes of its JSON encoding. Override per model
-#: with a ``max_payload_bytes`` class attribute. Big data belongs in your own
-#: tables; pass its key in the payload.
-MAX_PAYLOAD_BYTES = 1_048_576
 MAX_KIND_LENGTH = 255
 MAX_QUEUE_LENGTH = 64
 STATES = ("pending", "running", "finished", "cancelled")
@@ -74,7 +72,9 @@ _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # the range of the INTEGER columns on 
 
 # BIGSERIAL on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the rowid alias.
 _ID = BigInteger().with_variant(Integer(), "sqlite")
-_PAYLOAD = JSON().with_variant(JSONB(), "postgresql")
+_JSON = JSON().with_variant(JSONB(), "postgresql")
+# The same column type, but it sends the text encoded at flush (see _payload).
+_PAYLOAD = PayloadType(JSON()).with_variant(PayloadType(JSONB()), "postgresql")
 _NOW = text("CURRENT_TIMESTAMP")  # the database clock, on every backend
 # Defaults live in the database only. A column with no default at all would
 # be sent as an explicit NULL in every ORM INSERT (SQLAlchemy keeps batches
@@ -84,77 +84,6 @@ _NULL = text("NULL")
 
 def _tz() -> DateTime:
     return DateTime(timezone=True)
-
-
-def check_payload(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> str:
-    """Raise InvalidJob unless ``payload`` survives a trip through jsonb unchanged; return its JSON."""
-    if not isinstance(payload, dict):
-        raise InvalidJob(f"Job.payload must be a dict (a JSON object), not {type(payload).__name__}")
-    try:
-        encoded = json.dumps(payload, allow_nan=False, separators=(",", ":"))
-    except ValueError as exc:  # NaN / inf, or a circular reference
-        if "ircular" in str(exc):
-            raise InvalidJob("Job.payload contains itself (a circular reference); JSON cannot store it") from None
-        _locate_unstorable(payload, "payload")
-        raise InvalidJob(f"Job.payload is not valid JSON: {exc}; use null or a string instead") from None
-    except TypeError as exc:
-        _locate_unstorable(payload, "payload")
-        raise InvalidJob(f"Job.payload is not JSON-serialisable: {exc}; pass ids and plain values") from None
-    if len(encoded) > limit:  # json.dumps escapes to ASCII, so characters == bytes
-        raise InvalidJob(
-            f"Job.payload is {len(encoded)} bytes of JSON, over the {limit}-byte limit; "
-            "store large data in your own table and pass its key"
-        )
-    _walk(payload, "payload")
-    return encoded
-
-
-def _locate_unstorable(value: Any, path: str) -> None:
-    """json.dumps failed: raise an InvalidJob naming the exact item, so the user need not search for it.
-
-    Only runs on that error path, so valid payloads do not pay for the extra walk.
-    """
-    if isinstance(value, float) and not math.isfinite(value):
-        raise InvalidJob(f"Job.{path} is {value!r}; JSON has no NaN or infinity: use null or a string instead")
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, (str, int, float, bool)) and key is not None:
-                raise InvalidJob(f"Job.{path} has the key {key!r} of type {type(key).__name__}; JSON keys are strings")
-            _locate_unstorable(item, f"{path}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _locate_unstorable(item, f"{path}[{i}]")
-    elif not isinstance(value, (str, int, float, bool)) and value is not None:
-        raise InvalidJob(
-            f"Job.{path} is a {type(value).__name__}, which JSON cannot store; pass plain values "
-            "(str, int, float, bool, None, lists and dicts), e.g. an id or value.isoformat() for a datetime"
-        )
-
-
-def _walk(value: Any, path: str) -> None:
-    # json.dumps would silently turn a NUL into "\u0000" (jsonb rejects it) and
-    # an int key into a string (the handler would get a different payload).
-    if isinstance(value, str):
-        if "\x00" in value:
-            raise InvalidJob(f"Job.{path} contains \\u0000, which PostgreSQL jsonb rejects")
-        if not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError as exc:  # a lone surrogate such as "\ud800", e.g. from bad decoding
-                bad = value[exc.start]
-                raise InvalidJob(
-                    f"Job.{path} contains the lone surrogate {bad!r}, which is not valid Unicode and "
-                    "PostgreSQL jsonb rejects; decode your input with errors='replace'"
-                ) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise InvalidJob(f"Job.{path} has the non-string key {key!r}; JSON keys are strings")
-            _walk(key, f"{path} key")
-            _walk(item, f"{path}[{key!r}]")
-    elif isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            _walk(item, f"{path}[{i}]")
 
 
 def _utc(name: str, value: datetime | None) -> datetime | None:
@@ -179,7 +108,7 @@ def check_row(model: type[JobMixin], row: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "kind": _text_field("kind", row["kind"], MAX_KIND_LENGTH),
         "queue": _text_field("queue", row.get("queue", "default"), MAX_QUEUE_LENGTH),
-        "payload": check_payload(row.get("payload", {}), model.max_payload_bytes),
+        "payload": _payload.encode(row.get("payload", {}), model.max_payload_bytes),
         "priority": _int_field("priority", row.get("priority", 0)),
         "max_attempts": _int_field("max_attempts", row.get("max_attempts", 5), 1),
         "run_at": _utc("run_at", row.get("run_at")),
@@ -228,7 +157,7 @@ class _Common:
     created_at: Mapped[datetime] = mapped_column(_tz(), server_default=_NOW)
     last_error: Mapped[str | None] = mapped_column(Text, server_default=_NULL)
     #: Every failure so far: a list of {"attempt", "at", "error"} objects.
-    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(_PAYLOAD, server_default=_NULL)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(_JSON, server_default=_NULL)
 
     @validates("kind")
     def _check_kind(self, key: str, value: Any) -> str:
@@ -240,7 +169,7 @@ class _Common:
 
     @validates("payload")
     def _check_payload(self, key: str, value: Any) -> dict[str, Any]:
-        check_payload(value, self.max_payload_bytes)
+        _payload.check(value, self.max_payload_bytes)
         return value  # type: ignore[no-any-return]
 
     @validates("max_attempts")
@@ -272,6 +201,9 @@ class JobMixin(_Common):
     finished_at: Mapped[datetime | None] = mapped_column(_tz(), server_default=_NULL)
     #: Set by a cancel request; a running job sees it when it ends.
     cancelled_at: Mapped[datetime | None] = mapped_column(_tz(), server_default=_NULL)
+    #: Its worker process was lost while it ran: its next run is alone in a worker process
+    #: (see docs/guarantees.md, "Poison jobs"). Cleared when that run ends, whatever the outcome.
+    isolate: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
 
     @validates("run_at")
     def _check_run_at(self, key: str, value: Any) -> datetime | None:
@@ -367,8 +299,10 @@ def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> N
         raise InvalidJob("Job.kind is required: the name of the handler that runs the job")
     if target.payload is None:
         target.payload = {}
-    else:  # the dict may have been changed in place since it was set (and validated)
-        check_payload(target.payload, type(target).max_payload_bytes)
+    # Checked again, as the dict may have been changed in place since it was set;
+    # the text is kept for the INSERT, so this is the job's only encoding.
+    payload = target.payload
+    _payload.remember(target, payload, _payload.encode(payload, type(target).max_payload_bytes))
     for queue in getattr(type(target), "__sqla_jobs_queues__", ()):
         queue._check_kind_known(target.kind)
 

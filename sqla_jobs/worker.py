@@ -18,14 +18,20 @@ run user code. The control loop, on each turn:
 4. in one round trip, marks the batch of successful runs finished and claims
    jobs for the free threads (``Driver.finish_and_claim``); successes wait up to
    ``flush_interval`` to be batched, and a claim waits until half the threads
-   are free, unless the worker is idle;
+   are free, unless the worker is idle; a job whose last worker was lost
+   runs alone (claimed only by an idle worker, which then claims nothing
+   else until it ends: see sqla_jobs.lost);
 5. sleeps until handler threads have something for it, a NOTIFY arrives
    (PostgreSQL) or ``poll_interval`` passes.
 
-A database error on any step is logged and retried with backoff: outcomes
+A database error on any step is logged and retried: at once after a lost
+connection while the server answers (at most half a second apart while it does
+not; see ``_reconnect.retry_pause``), with backoff after any other error. Outcomes
 not yet written stay in memory and are written after reconnecting. They are
 fenced by the claim token, so if the lease ran out meanwhile and another
 worker took the job, the stale result is discarded and logged, never applied.
+A handler that failed because a connection to the queue database dropped
+under it (outage.py) has its attempt refunded, not charged.
 
 On SIGTERM or SIGINT the worker stops claiming, lets running handlers finish
 for up to ``grace`` seconds, gives the rest back to the queue (the attempt is
@@ -60,9 +66,12 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
+from ._reconnect import retry_pause
 from .context import JobContext, _current
 from .drivers.base import Claimed, Driver, Fence
 from .errors import ConfigError, JobCancel, JobSnooze
+from .lost import hand_back
+from .outage import database_key, watch
 from .queue import JobEvent, JobQueue
 
 __all__ = ["Worker"]
@@ -77,7 +86,15 @@ _DETAIL = {
     "cancelled": "cancelled: {o.error}",
     "snoozed": "snoozed for {o.delay:g}s",
     "lost": "claim lost (lease expired or job taken over): result discarded",
+    "outage": "the queue database was unreachable, retry at once, attempt not counted: {o.error}",
 }
+#: Attempts interrupted by an outage of the queue database are refunded this many times per job; after
+#: that they count, so a handler that itself breaks the server (a query that crashes its backend) still
+#: ends in the dead letters instead of retrying forever.
+MAX_UNCOUNTED_OUTAGES = 10
+_UNCOUNTED = "(queue database unreachable, attempt not counted)"
+# What hooks hear of each outcome: an outage is a failed run that is retried.
+_EVENT = {**{name: name for name in _DETAIL}, "outage": "failed"}
 
 
 class _ClaimLost(Exception):
@@ -91,16 +108,22 @@ class _Run:
     started: float
     deadline: float | None
     abandoned: bool = False  # timed out, lost or given back: the thread's result is discarded
+    # Its transaction holds the fenced finish and is committing: from then on the
+    # run's fate is that commit's, so it is never abandoned (see _abandon).
+    finishing: bool = False
 
 
 @dataclass
 class _Outcome:
     job: Claimed
-    result: str  # ok | committed | error | snooze | cancel | lost
+    result: str  # ok | committed | error | outage | snooze | cancel | lost
     duration: float
     error: str = ""
     delay: float = 0.0
     written: bool = field(default=False)
+    # The failure came after the fenced finish, from the commit itself: the commit may have
+    # applied with its reply lost, so a write that finds the job no longer running checks.
+    committing: bool = False
 
 
 class Worker:
@@ -153,6 +176,8 @@ class Worker:
         self._todo: stdlib_queue.SimpleQueue[Claimed | None] = stdlib_queue.SimpleQueue()
         self._done: stdlib_queue.SimpleQueue[tuple[_Run, _Outcome]] = stdlib_queue.SimpleQueue()
         self._running: dict[Fence, _Run] = {}
+        self._fate = threading.Lock()  # orders _abandon against a transactional run starting to commit
+        self._database = database_key(engine.url)
         self._abandoned = 0  # how many of _running were given up on
         self._token_base = uuid.uuid4().hex[:16]
         self._claims = 0
@@ -163,6 +188,10 @@ class Worker:
         self._closed = threading.Event()
         self._signals = 0
         self._conn: Connection | None = None
+        # Poison isolation (docs/guarantees.md): the run of an `isolate` job, during which nothing else
+        # is claimed, and whether a claim left such a job, so the worker drains to claim it alone.
+        self._isolated: Fence | None = None
+        self._isolation_wanted = False
         self.processed = 0  # outcomes written, for tests and the bench
 
     # -- public ------------------------------------------------------------------
@@ -231,10 +260,11 @@ class Worker:
                     db_failures = 0
                 except (OperationalError, DBAPIError, PoolTimeout) as exc:  # PoolTimeout: handlers hold the pool
                     db_failures += 1
-                    pause = min(30.0, 0.25 * 2 ** min(db_failures, 7))
+                    pause = retry_pause(self.sql, self.engine, exc, db_failures)
                     db_retry_at = time.monotonic() + pause
-                    log.warning("worker %s: database error, retrying in %.1fs: %s",
-                                self.name, pause, str(exc).splitlines()[0])
+                    if db_failures <= 5 or db_failures % 60 == 0:  # a long outage: not one line per second
+                        log.warning("worker %s: database error, retrying in %.1fs: %s",
+                                    self.name, pause, str(exc).splitlines()[0])
                     claimed = 0
                 else:
                     if claimed and len(self._running) < self.concurrency:
@@ -250,7 +280,7 @@ class Worker:
             timeout = min(self.poll_interval, max(0.0, next_heartbeat - time.monotonic()))
             if self._unwritten_since is not None:
                 timeout = min(timeout, self._unwritten_since + self.flush_interval - time.monotonic())
-            if db_retry_at > time.monotonic():
+            if db_failures:  # a retry that is due now (the database answers) must not wait for a poll
                 timeout = min(timeout, db_retry_at - time.monotonic())
             self._wake.wait(max(timeout, 0.001))
 
@@ -292,8 +322,18 @@ class Worker:
         )
 
     def _should_claim(self) -> bool:
-        """Claim in batches: when at least half the threads are free, or all are idle."""
+        """Claim in batches: when at least half the threads are free, or all are idle.
+
+        Nothing while an isolated job runs; nothing but an isolated job once one
+        is waiting, so the worker drains and then claims it alone.
+        """
         if self._stopping:
+            return False
+        if self._isolated is not None:
+            if self._isolated in self._running and not self._running[self._isolated].abandoned:
+                return False
+            self._isolated = None
+        if self._isolation_wanted and self._live_count:
             return False
         free = self.concurrency - len(self._running)
         return free > 0 and (free * 2 >= self.concurrency or not self._live_count)
@@ -324,10 +364,16 @@ class Worker:
         if ok or limit > 0:
             self._claims += 1
             token = f"{self._token_base}{self._claims:x}"  # unique per claim; hex, so no ':' or ','
+            # Alone: no live run shares the process, so an isolated job may be claimed (and only it).
+            # Abandoned runs are already written off: a crash now costs them nothing.
+            alone = limit > 0 and not self._live_count
             with self._hot() as conn:
-                kept, jobs = self.sql.finish_and_claim(
-                    conn, [o.job.fence for o in ok], max(limit, 0), self.name, token, self.lease, self.queues
+                kept, jobs, waiting = self.sql.finish_and_claim(
+                    conn, [o.job.fence for o in ok], max(limit, 0), self.name, token, self.lease, self.queues,
+                    alone=alone,
                 )
+            if limit > 0:
+                self._isolation_wanted = waiting
             for o in ok:
                 o.written = True
                 self._report(o, "finished" if o.job.id in kept else "lost")
@@ -340,6 +386,10 @@ class Worker:
             timeout = handler.timeout if handler else None
             ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.name)
             self._running[job.fence] = _Run(job, ctx, now, now + timeout if timeout else None)
+            if job.isolated:
+                self._isolated = job.fence
+                log.info("job %d %s attempt %d/%d: its worker was lost last time, so it runs alone in this process",
+                         job.id, job.kind, job.attempt, job.max_attempts)
             if timeout:
                 self._timed += 1
             self._todo.put(job)
@@ -372,19 +422,28 @@ class Worker:
         """Runs whose result still counts (checked several times per job, so not a list)."""
         return len(self._running) - self._abandoned
 
-    def _abandon(self, run: _Run) -> None:
-        """Give up on a run: its thread may go on, but its result will be discarded."""
-        if not run.abandoned:
-            run.abandoned = True
-            self._abandoned += 1
-            run.ctx.cancelled.set()
+    def _abandon(self, run: _Run) -> bool:
+        """Give up on a run: its thread may go on, but its result will be discarded.
+
+        Returns False, and changes nothing, when the run's transaction already
+        holds its fenced finish and is committing: the job is then finished by
+        that commit (or, if the commit fails, its error is written as usual), so
+        discarding the result would misreport a job that did finish.
+        """
+        with self._fate:
+            if run.finishing:
+                return False
+            if not run.abandoned:
+                run.abandoned = True
+                self._abandoned += 1
+                run.ctx.cancelled.set()
+            return True
 
     def _check_timeouts(self, now: float) -> None:
         if not self._timed:
             return
         for run in self._live():
-            if run.deadline is not None and now > run.deadline:
-                self._abandon(run)
+            if run.deadline is not None and now > run.deadline and self._abandon(run):
                 timeout = run.deadline - run.started
                 self._add_unwritten(_Outcome(run.job, "error", now - run.started,
                                                 f"TimeoutError: handler ran past its {timeout:g}s timeout"))
@@ -400,13 +459,18 @@ class Worker:
         # The rare outcomes, in one transaction each: whether a cancel was
         # requested while the job ran decides what the write is.
         with self.sql.write(self.engine) as conn:
-            if o.result in ("snooze", "error") and self.sql.cancel_requested(conn, job.fence):
+            if o.result in ("snooze", "error", "outage") and self.sql.cancel_requested(conn, job.fence):
                 # `jobs cancel` came while it ran: no retry, no dead letter.
                 applied = self.sql.release(conn, job.fence, error=o.error or None, attempt=job.attempt, cancel=True)
                 name = "cancelled"
             elif o.result == "snooze":
                 applied = self.sql.release(conn, job.fence, delay=o.delay, refund=True)
                 name = "snoozed"
+            elif o.result == "outage" and self._outages(conn, job.fence) < MAX_UNCOUNTED_OUTAGES:
+                # Not the job's fault: refund the attempt, keep the error for the record.
+                applied = self.sql.release(conn, job.fence, error=f"{o.error} {_UNCOUNTED}",
+                                           attempt=job.attempt, refund=True)
+                name = "outage"
             elif o.result == "cancel":
                 applied = self.sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
                 name = "cancelled"
@@ -417,7 +481,13 @@ class Worker:
                 o.delay = self.queue.retry_delay(job.kind, job.attempt)
                 applied = self.sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
                 name = "failed"
+            if not applied and o.committing and self.sql.finished_under(conn, job.fence):
+                applied, name = True, "finished"  # the commit went through; only its reply was lost
         self._report(o, name if applied else "lost")
+
+    def _outages(self, conn: Connection, fence: Fence) -> int:
+        """How many attempts of this job were already refunded for outages (a rare path: one read)."""
+        return sum(_UNCOUNTED in str(e.get("error", "")) for e in self.sql.errors_of(conn, fence))
 
     def _report(self, o: _Outcome, name: str) -> None:
         job = o.job
@@ -426,49 +496,30 @@ class Worker:
         if log.isEnabledFor(level):  # this runs per job: format only what is printed
             log.log(level, "job %d %s attempt %d/%d (%.1f ms): %s", job.id, job.kind, job.attempt,
                     job.max_attempts, o.duration * 1000, _DETAIL[name].format(o=o))
-        if self.queue.listens(name):
-            self.queue.emit(JobEvent(name, job.id, job.kind, job.queue, job.attempt, job.max_attempts,
+        event = _EVENT[name]
+        if self.queue.listens(event):
+            self.queue.emit(JobEvent(event, job.id, job.kind, job.queue, job.attempt, job.max_attempts,
                                      o.duration, o.error or None))
 
     def _heartbeat_and_reap(self) -> None:
-        held = [run.job.fence for run in self._live()] + [o.job.fence for o in self._unwritten]
+        held = [run.job.fence for run in self._live()]
+        held += [o.job.fence for o in self._unwritten if o.result not in ("committed", "lost")]  # no longer ours
         if held:
             with self._hot() as conn:
                 kept = self.sql.heartbeat(conn, held, self.lease)
             for fence in set(held) - kept:
                 run = self._running.get(fence)
-                if run is not None and not run.abandoned:
-                    self._abandon(run)
+                # Not abandoned when it is committing: then it is gone because we just finished it.
+                if run is not None and not run.abandoned and self._abandon(run):
                     log.warning("job %d %s: lease lost while running; its result will be discarded",
                                 run.job.id, run.job.kind)
         self._reap()
 
     def _reap(self) -> None:
-        """Hand back jobs whose worker vanished; the lost attempt counts.
-
-        A cancel requested meanwhile is honoured; a lost last attempt goes to
-        the dead letters; anything else is a failed attempt, retried at once.
-        Hooks hear of it only once the transaction has committed.
-        """
-        events = []
-        with self.sql.write(self.engine) as conn:
-            for row in self.sql.expired(conn):
-                error = (f"WorkerLost: worker {row.locked_by} stopped heartbeating "
-                         f"(lease expired) during attempt {row.attempts}")
-                fence = (row.id, row.claim_token)
-                if row.cancelled_at is not None:
-                    self.sql.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
-                    name, what = "cancelled", "worker lost after a cancel request, job cancelled"
-                elif row.attempts >= row.max_attempts:
-                    self.sql.dead_letter(conn, fence, error)
-                    name, what = "dead_letter", "worker lost on the last attempt, moved to dead letters"
-                else:
-                    self.sql.release(conn, fence, error=error, attempt=row.attempts)
-                    name, what = "failed", "worker lost, job handed back to the queue"
-                log.warning("job %d %s attempt %d/%d: %s", row.id, row.kind, row.attempts, row.max_attempts, what)
-                events.append(JobEvent(name, row.id, row.kind, row.queue, row.attempts, row.max_attempts, None, error))
-        for event in events:
-            self.queue.emit(event)
+        """Hand back jobs whose worker vanished, by the rules of sqla_jobs.lost (the lost attempt counts,
+        and the job's next run is alone in its worker process)."""
+        hand_back(self.queue, self.engine, self.sql, self.sql.expired,
+                  "worker {row.locked_by} stopped heartbeating (lease expired)")
 
     def _maybe_prune(self, now: float) -> None:
         """With ``prune_after``: delete one batch of old finished jobs per turn, at most once a minute
@@ -483,7 +534,13 @@ class Worker:
         self._next_prune = now + (1.0 if deleted >= batch else 60.0)
 
     def _give_back(self) -> None:
-        """Grace is over: return unfinished jobs to the queue so they run again promptly."""
+        """Grace is over: return unfinished jobs to the queue so they run again promptly.
+
+        The give-back is fenced, so it cannot undo a transactional run that
+        finished meanwhile (on SQLite it waits for that run's write lock, and
+        the run finishes); such a run is not abandoned but waited for briefly,
+        so its completion is reported like any other.
+        """
         live = self._live()
         try:
             self._exchange(write=True, claim=False)
@@ -495,8 +552,17 @@ class Worker:
         except (OperationalError, DBAPIError, PoolTimeout) as exc:
             log.warning("worker %s: could not give jobs back (%s); their leases will expire",
                         self.name, str(exc).splitlines()[0])
-        for run in live:
-            self._abandon(run)
+        committing = [run for run in live if not self._abandon(run)]
+        deadline = time.monotonic() + 5.0  # a commit in flight, not a handler: seconds at most
+        while any(run.job.fence in self._running for run in committing) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self._collect()
+        if self._unwritten:
+            try:
+                self._exchange(write=True, claim=False)
+            except (OperationalError, DBAPIError, PoolTimeout) as exc:
+                log.warning("worker %s: could not record %d outcome(s) (%s); their leases will expire",
+                            self.name, len(self._unwritten), str(exc).splitlines()[0])
 
     # -- handler threads ------------------------------------------------------------
 
@@ -540,16 +606,18 @@ class Worker:
         if self.queue.listens("started"):
             self.queue.emit(JobEvent("started", job.id, job.kind, job.queue, job.attempt, job.max_attempts))
         token = _current.set(ctx)
+        dropped: set[Any]
         try:
-            if handler.transactional:
-                self._execute_in_transaction(run, handler.fn)
-                return outcome("committed")
-            if handler.is_async:
-                assert loop is not None
-                loop.run_until_complete(asyncio.wait_for(handler.fn(job.payload), handler.timeout))
-            else:
-                handler.fn(job.payload)
-            return outcome("ok")
+            with watch() as dropped:
+                if handler.transactional:
+                    self._execute_in_transaction(run, handler.fn)
+                    return outcome("committed")
+                if handler.is_async:
+                    assert loop is not None
+                    loop.run_until_complete(asyncio.wait_for(handler.fn(job.payload), handler.timeout))
+                else:
+                    handler.fn(job.payload)
+                return outcome("ok")
         except JobSnooze as snooze:
             return outcome("snooze", delay=snooze.seconds)
         except JobCancel as cancel:
@@ -561,7 +629,11 @@ class Worker:
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 log.warning("job %d %s: handler raised %s; treated as a failure", job.id, job.kind, type(exc).__name__)
-            return outcome("error", f"{type(exc).__name__}: {exc}")
+            # A connection to the queue database dropped or could not be opened during this
+            # attempt (see outage.py): the failure is the outage's, not the job's.
+            failed = outcome("outage" if self._database in dropped else "error", f"{type(exc).__name__}: {exc}")
+            failed.committing = run.finishing
+            return failed
         finally:
             _current.reset(token)
 
@@ -575,6 +647,10 @@ class Worker:
                 session.flush()
                 if run.abandoned or not self.sql.finish(session.connection(), [run.job.fence]):
                     raise _ClaimLost()
+                with self._fate:  # from here the job is finished iff this commit succeeds
+                    if run.abandoned:
+                        raise _ClaimLost()
+                    run.finishing = True
             except BaseException:
                 session.rollback()
                 raise
@@ -585,7 +661,12 @@ class Worker:
     # -- LISTEN / NOTIFY -------------------------------------------------------------
 
     def _listen_main(self) -> None:
-        """Wake the control loop when an enqueuing transaction commits; reconnect on errors."""
+        """Wake the control loop when an enqueuing transaction commits; reconnect on errors.
+
+        The first reconnect is immediate (a checkout never hands out a
+        connection the server closed, see connection.py), later ones at most half
+        a second apart, so LISTEN is back within half a second of the server.
+        """
         failures = 0
         while not self._closed.is_set():
             conn = None
@@ -595,6 +676,8 @@ class Worker:
                 raw.detach()  # a long-lived LISTEN connection does not belong in the pool
                 conn.autocommit = True  # type: ignore[union-attr]
                 conn.execute(f'LISTEN "{self.sql.channel}"')  # type: ignore[union-attr]
+                if failures:
+                    log.info("worker %s: LISTEN connection is back", self.name)
                 failures = 0
                 self._wake.set()  # notifications sent while we were away are lost: look now
                 while not self._closed.is_set():
@@ -602,9 +685,11 @@ class Worker:
                         self._wake.set()
             except Exception as exc:
                 failures += 1
-                log.info("worker %s: LISTEN connection failed (%s); polling until it is back",
-                         self.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
-                self._closed.wait(min(30.0, 0.5 * 2 ** min(failures, 6)))
+                if failures == 1 or failures % 60 == 0:  # a long outage: not one line per second
+                    log.info("worker %s: LISTEN connection failed (%s); polling until it is back",
+                             self.name, str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                if failures > 1:
+                    self._closed.wait(min(0.5, 0.125 * 2 ** min(failures - 2, 2)))
             finally:
                 if conn is not None:
                     with contextlib.suppress(Exception):

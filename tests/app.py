@@ -131,6 +131,14 @@ def suicide(payload: dict[str, Any]) -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+@queue.handler("poison")
+def poison(payload: dict[str, Any]) -> None:
+    """A poison job that ends its process the way a crash in native code or an OOM kill does:
+    no exception, no cleanup, every other job of the process gone with it."""
+    record("start")
+    os._exit(1)
+
+
 @queue.handler("snooze")
 def snooze(payload: dict[str, Any]) -> None:
     if current_job().attempt == 1 and not payload.get("done"):
@@ -198,3 +206,24 @@ def relay(payload: dict[str, Any]) -> None:
     record("start")
     time.sleep(payload["first"] if current_job().attempt == 1 else payload["later"])
     record("finish")
+
+
+@queue.handler("other_db_down")
+def other_db_down(payload: dict[str, Any]) -> None:
+    """Fails to reach a database that is not the queue's: the handler's own failure, charged."""
+    other = create_engine("postgresql+psycopg://postgres@127.0.0.1:1/elsewhere", connect_args={"connect_timeout": 2})
+    try:
+        with other.connect():
+            pass
+    finally:
+        other.dispose()
+
+
+@queue.handler("kill_own_backend", transactional=True)
+def kill_own_backend(payload: dict[str, Any]) -> None:
+    """Ends its own session's server process: to the worker, the queue database dropped under it."""
+    from sqlalchemy import text  # here, so the shared import block above stays as it is
+
+    session = current_job().session
+    assert session is not None
+    session.execute(text("select pg_terminate_backend(pg_backend_pid())"))

@@ -300,7 +300,7 @@ def index_definition(db: Database, name: str) -> str:
 
 
 def old_schema(metadata: MetaData, backend: str) -> None:
-    """The job tables as an older sqla-jobs made them: no errors/cancelled_at, no ix_<table>_finished."""
+    """The job tables as an older sqla-jobs made them: no errors/cancelled_at/isolate, no ix_<table>_finished."""
     payload = JSON().with_variant(JSONB(), "postgresql")
     ident = BigInteger().with_variant(Integer(), "sqlite")
     now = text("CURRENT_TIMESTAMP")
@@ -354,21 +354,24 @@ def test_upgrade_from_an_older_schema(empty_db: Database, tmp_path: Path) -> Non
 
     refused = project.sqla_jobs("worker", "--app", "jobmodels:queue", "--burst", check=False)
     assert refused.returncode == 2
-    assert "lacks column(s) cancelled_at, errors" in refused.stderr
+    assert "lacks column(s) cancelled_at, errors, isolate" in refused.stderr
     assert "sqla-jobs migrations render" in refused.stderr
 
     out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_db.url).stdout
     [revision] = project.revisions()
     source = revision.read_text()
-    # Exactly the difference: three columns, one new index, the claim index rebuilt in its new column
+    # Exactly the difference: four columns, one new index, the claim index rebuilt in its new column
     # order, and on PostgreSQL the NOTIFY trigger; nothing created or dropped besides.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_db.backend == "postgresql" else []
-    expected = sorted(["add_column"] * 3 + ["create_index"] * 2 + ["drop_index"] + trigger)
+    expected = sorted(["add_column"] * 4 + ["create_index"] * 2 + ["drop_index"] + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
-        ("app_dead_tasks", "errors"), ("app_tasks", "cancelled_at"), ("app_tasks", "errors")
+        ("app_dead_tasks", "errors"), ("app_tasks", "cancelled_at"), ("app_tasks", "errors"), ("app_tasks", "isolate")
     ]
+    # NOT NULL with a server default, so the rows already there get false and the upgrade needs no data step.
+    isolate = r"sa\.Column\('isolate', sa\.Boolean\(\), server_default=sa\.text\('\(?false\)?'\), nullable=False\)"
+    assert re.search(isolate, upgrade), upgrade
     assert "op.create_index('ix_app_tasks_finished'" in upgrade
     assert "add column app_tasks.errors" in out
 
@@ -526,7 +529,7 @@ def test_wheel_ships_the_templates(tmp_path: Path) -> None:
 # Columns an older schema could lack that SQLite can drop (nullable, in no index), per table of tests.app.
 DROPPABLE_COLUMNS = [
     ("jobs", "cancelled_at"), ("jobs", "errors"), ("jobs", "last_error"), ("jobs", "locked_by"),
-    ("jobs", "claim_token"), ("dead_jobs", "errors"), ("dead_jobs", "last_error"),
+    ("jobs", "claim_token"), ("jobs", "isolate"), ("dead_jobs", "errors"), ("dead_jobs", "last_error"),
 ]
 QUEUE_INDEX_NAMES = ["ix_jobs_pending", "ix_jobs_running", "ix_jobs_finished", "ix_dead_jobs_kind"]
 

@@ -12,6 +12,7 @@ from tests.conftest import ROOT
 PUBLIC = [
     "MAX_ERROR_LENGTH",
     "MAX_PAYLOAD_BYTES",
+    "MAX_PAYLOAD_DEPTH",
     "Backoff",
     "ConfigError",
     "ConnectionProblem",

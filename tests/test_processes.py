@@ -1,9 +1,10 @@
 """``sqla-jobs worker --processes N``: a supervisor that restarts a worker process that dies.
 
 A poison job kills its worker process on every attempt. The supervisor starts
-another process each time, the job's lease runs out, the reaper counts the lost
-attempts and dead-letters it, the other jobs keep running, and SIGTERM stops
-everything with exit status 0.
+another process each time and hands the dead process's job back at once (the
+lost attempt counts; tests/reliability/test_poison.py covers the rule), so it
+is dead-lettered, the other jobs keep running, and SIGTERM stops everything
+with exit status 0.
 """
 
 from __future__ import annotations

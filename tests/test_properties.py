@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from sqlalchemy.orm import Session
 
 from sqla_jobs import Backoff, InvalidJob
-from sqla_jobs.models import check_payload
+from sqla_jobs._payload import check as check_payload
 from tests import app
 from tests.conftest import Database
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Table, delete, func, insert, inspect, select, update
+from sqlalchemy import Connection, Select, Table, and_, delete, func, insert, inspect, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import SchemaError
@@ -40,7 +40,10 @@ MIGRATE = (
 
 
 class Operations:
-    """Schema check, requeue, stats, inspect, cancel, retry, purge; the backend supplies the clock (``now``/``ago``)."""
+    """Schema check, requeue, stats, inspect, cancel, retry, purge, prune.
+
+    The backend supplies the clock (``now``/``ago``) and ``skip_locked``.
+    """
 
     jobs: Table
     dead: Table
@@ -58,6 +61,9 @@ class Operations:
         """Wake waiting workers at commit (where they wait)."""
 
     def index_names(self, conn: Connection) -> set[str]:
+        raise NotImplementedError
+
+    def skip_locked(self, stmt: Select[Any]) -> Select[Any]:
         raise NotImplementedError
 
     def check_schema(self, conn: Connection) -> None:
@@ -275,3 +281,46 @@ class Operations:
         if kind is not None:
             stmt = stmt.where(d.c.kind == kind)
         return conn.execute(stmt).rowcount
+
+    # -- pruning ---------------------------------------------------------------------
+
+    def prune_lock(self, conn: Connection) -> bool:
+        """Take this table's prune lock for the transaction without waiting; False: another process prunes.
+
+        By default the write transaction itself lets only one process in.
+        """
+        return True
+
+    def prune_batch(self, conn: Connection, older_than: float, limit: int) -> int:
+        """Delete up to ``limit`` finished or cancelled jobs whose ``finished_at`` is older than
+        ``older_than`` seconds; the caller commits each batch so no lock is held for long."""
+        t = self.jobs
+        old = (
+            select(t.c.id)
+            .where(
+                t.c.finished_at < self.ago(older_than),
+                t.c.finished_at.is_not(None),
+                t.c.state.in_(("finished", "cancelled")),
+            )
+            .order_by(t.c.finished_at)
+            .limit(limit)
+        )
+        # A row another session is deleting right now is skipped, not waited for.
+        return conn.execute(delete(t).where(t.c.id.in_(self.skip_locked(old).scalar_subquery()))).rowcount
+
+    # -- stats (sqla_jobs.stats) -------------------------------------------------------
+
+    def recently_finished(self, window: float) -> ColumnElement[bool]:
+        """Jobs finished within ``window`` seconds, as the ``ix_<table>_finished`` index's predicate allows."""
+        t = self.jobs
+        return and_(
+            t.c.finished_at >= self.ago(window),
+            t.c.finished_at.is_not(None),
+            t.c.state == "finished",
+            t.c.locked_at.is_not(None),
+        )
+
+    def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:
+        """Per kind, over jobs finished within ``window`` seconds: (kind, count, mean, p50, p95, max)."""
+        raise NotImplementedError
+

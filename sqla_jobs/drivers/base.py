@@ -41,6 +41,7 @@ from sqlalchemy import (
     update,
 )
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.schema import CreateIndex
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -63,6 +64,8 @@ class Claimed:
     max_attempts: int
     priority: int
     token: str
+    #: Its last worker was lost while it ran: the worker runs it alone (see docs/guarantees.md).
+    isolated: bool = False
 
     @property
     def fence(self) -> Fence:
@@ -169,6 +172,10 @@ class Driver(Operations):
     def harden(self, engine: Engine, worker_name: str) -> None:
         """Make ``engine``'s connections notice a dead network (nothing by default)."""
 
+    def is_disconnect(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection (or the server) is gone, not that a statement failed."""
+        return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
         """Insert ``rows`` old finished jobs, as an unpruned queue has (the bench's background)."""
         conn.execute(insert(self.jobs), [{"kind": "noop", "payload": {}, "state": "finished", "attempts": 1}] * rows)
@@ -237,9 +244,33 @@ class Driver(Operations):
     # -- the worker's path -----------------------------------------------------
 
     def claim(
-        self, conn: Connection, limit: int, worker: str, token: str, lease: float, queues: Sequence[str] | None
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        *,
+        alone: bool = False,
     ) -> list[Claimed]:
-        """Claim up to ``limit`` due jobs, returned in claim order (most urgent, then oldest, first)."""
+        """Claim up to ``limit`` due jobs, returned in claim order (most urgent, then oldest, first).
+
+        Isolated jobs follow ``finish_and_claim``'s rule.
+        """
+        return self.claim_batch(conn, limit, worker, token, lease, queues, alone)[0]
+
+    def claim_batch(
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        alone: bool,
+    ) -> tuple[list[Claimed], bool]:
+        """The claim itself: (claimed in claim order, isolated_waiting); see ``finish_and_claim``."""
         raise NotImplementedError
 
     def finish_and_claim(
@@ -251,12 +282,20 @@ class Driver(Operations):
         token: str,
         lease: float,
         queues: Sequence[str] | None,
-    ) -> tuple[set[int], list[Claimed]]:
-        """Mark ``fences`` finished and claim up to ``limit`` due jobs; returns (finished ids, claimed).
+        *,
+        alone: bool = False,
+    ) -> tuple[set[int], list[Claimed], bool]:
+        """Mark ``fences`` finished and claim up to ``limit`` due jobs.
 
-        The worker's hot path; by default two statements in the caller's transaction.
+        Returns (finished ids, claimed, isolated_waiting). The worker's hot path;
+        by default a few statements in the caller's transaction. Jobs marked
+        ``isolate`` are claimed only with ``alone`` (the worker runs nothing), one
+        at a time and with nothing else; ``isolated_waiting`` says such a job was
+        among the most urgent ``limit`` and was left, so the worker should drain
+        and claim alone.
         """
-        return self.finish(conn, fences), self.claim(conn, limit, worker, token, lease, queues)
+        claimed, waiting = self.claim_batch(conn, limit, worker, token, lease, queues, alone)
+        return self.finish(conn, fences), claimed, waiting
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """Insert validated rows (payload already JSON text) in the caller's transaction.
@@ -315,12 +354,16 @@ class Driver(Operations):
         attempt: int | None = None,
         refund: bool = False,
         cancel: bool = False,
+        isolate: bool | None = False,
     ) -> bool:
         """Give a running job back: to ``pending`` after ``delay``, or ``cancelled``.
 
         Used for retries (with ``error``), snoozes and shutdown give-backs
         (``refund`` the attempt), and JobCancel (``cancel``). A job whose
         cancellation was requested while it ran ends ``cancelled`` either way.
+        ``isolate``: its next run is alone in a worker process (True: its worker
+        was lost), or not (False: a run ended, so any mark is cleared); None
+        leaves the mark (a shutdown interrupted the run, it did not end it).
         """
         t = self.jobs
         stopped = literal(cancel) | t.c.cancelled_at.is_not(None)
@@ -333,6 +376,8 @@ class Driver(Operations):
         }
         if refund:
             values["attempts"] = t.c.attempts - 1
+        if isolate is not None:
+            values["isolate"] = isolate
         if error is not None:
             message = truncate(error)
             values["last_error"] = message
@@ -342,7 +387,7 @@ class Driver(Operations):
 
     def give_back(self, conn: Connection, fences: Sequence[Fence]) -> int:
         """Shutdown: unfinished jobs go back to pending now, the interrupted attempt refunded."""
-        given = sum(self.release(conn, fence, refund=True) for fence in fences)
+        given = sum(self.release(conn, fence, refund=True, isolate=None) for fence in fences)
         if given:
             self.notify(conn)  # an UPDATE fires no insert trigger: wake the other workers here
         return given
@@ -382,50 +427,33 @@ class Driver(Operations):
         )
         return list(conn.execute(self.skip_locked(stmt)))
 
+    def held_by(self, conn: Connection, worker: str) -> list[Any]:
+        """Running jobs claimed by ``worker`` (its process is known dead), same columns as ``expired``.
+
+        Reads ``ix_<table>_running``. A row locked at this instant (the dead
+        process's last statement still being undone) is skipped: its lease covers it.
+        """
+        t = self.jobs
+        stmt = (
+            select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by,
+                   t.c.cancelled_at)
+            .where(t.c.state == "running", t.c.locked_by == worker)
+            .order_by(t.c.id)
+        )
+        return list(conn.execute(self.skip_locked(stmt)))
+
     def cancel_requested(self, conn: Connection, fence: Fence) -> bool:
         """Whether someone asked to cancel this (still ours) run while it ran."""
         t = self.jobs
         return bool(conn.execute(select(t.c.cancelled_at.is_not(None)).where(self.fenced([fence]))).scalar())
 
-    # -- pruning ---------------------------------------------------------------------
-
-    def prune_lock(self, conn: Connection) -> bool:
-        """Take this table's prune lock for the transaction without waiting; False: another process prunes.
-
-        By default the write transaction itself lets only one process in.
-        """
-        return True
-
-    def prune_batch(self, conn: Connection, older_than: float, limit: int) -> int:
-        """Delete up to ``limit`` finished or cancelled jobs whose ``finished_at`` is older than
-        ``older_than`` seconds; the caller commits each batch so no lock is held for long."""
+    def finished_under(self, conn: Connection, fence: Fence) -> bool:
+        """Whether the job was finished under this claim (the finish keeps the claim token)."""
         t = self.jobs
-        old = (
-            select(t.c.id)
-            .where(
-                t.c.finished_at < self.ago(older_than),
-                t.c.finished_at.is_not(None),
-                t.c.state.in_(("finished", "cancelled")),
-            )
-            .order_by(t.c.finished_at)
-            .limit(limit)
-        )
-        # A row another session is deleting right now is skipped, not waited for.
-        return conn.execute(delete(t).where(t.c.id.in_(self.skip_locked(old).scalar_subquery()))).rowcount
+        stmt = select(t.c.id).where(t.c.id == fence[0], t.c.claim_token == fence[1], t.c.state == "finished")
+        return conn.execute(stmt).first() is not None
 
-    # -- stats (sqla_jobs.stats); the portable admin and stats statements are in _operations.py ----
-
-    def recently_finished(self, window: float) -> ColumnElement[bool]:
-        """Jobs finished within ``window`` seconds, as the ``ix_<table>_finished`` index's predicate allows."""
+    def errors_of(self, conn: Connection, fence: Fence) -> list[dict[str, Any]]:
+        """The error history of this (still ours) run's job; empty if none or no longer ours."""
         t = self.jobs
-        return and_(
-            t.c.finished_at >= self.ago(window),
-            t.c.finished_at.is_not(None),
-            t.c.state == "finished",
-            t.c.locked_at.is_not(None),
-        )
-
-    def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:
-        """Per kind, over jobs finished within ``window`` seconds: (kind, count, mean, p50, p95, max)."""
-        raise NotImplementedError
-
+        return list(conn.execute(select(t.c.errors).where(self.fenced([fence]))).scalar() or [])

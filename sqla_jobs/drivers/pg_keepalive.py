@@ -28,15 +28,29 @@ whatever the worker had claimed meanwhile is covered by its lease (another
 worker takes it over; the stale worker's late writes are fenced off).
 ``application_name`` shows the worker in ``pg_stat_activity``. Override any
 of them in the URL, e.g. ``...?keepalives_idle=30&application_name=billing``.
+
+A connection the server closed (``pg_terminate_backend``, a restart, a
+failover, an idle-connection killer) is different: the server says so on the
+socket, but a connection idle in the pool does not read it, and the next
+statement on it fails. So every pool checkout first looks whether the socket
+has anything to read (one ``poll()`` system call, no round trip: an idle
+connection in a healthy session has nothing to say). Only if it has, a ping
+decides; a dead connection makes the pool discard every connection opened
+before it (SQLAlchemy's pool invalidation), so one cut costs one reconnect
+per connection, not one failed statement each. ``sqla_jobs._reconnect``
+tells the worker's control loop when to try again: at once after a disconnect
+while the server answers, with backoff after other errors.
 """
 
 from __future__ import annotations
 
+import select
 from typing import Any
 
 from sqlalchemy import Engine, event
+from sqlalchemy.exc import DBAPIError, InvalidatePoolError
 
-__all__ = ["DEFAULTS", "SERVER_SIDE", "harden"]
+__all__ = ["DEFAULTS", "SERVER_SIDE", "check_alive", "harden", "is_disconnect"]
 
 DEFAULTS: dict[str, int] = {
     "connect_timeout": 10,
@@ -81,6 +95,60 @@ def harden(engine: Engine, worker_name: str) -> None:
     if not getattr(engine, "_sqla_jobs_hardened", False):
         event.listen(engine, "do_connect", add_settings)
         event.listen(engine, "connect", set_server_side)
+        event.listen(engine, "checkout", check_alive)
         engine._sqla_jobs_hardened = True  # type: ignore[attr-defined]
         # Idle pooled connections were opened without these settings: open fresh ones.
         engine.pool.dispose()
+
+
+#: SQLSTATEs of a server that ended the session or does not take connections now
+#: (admin_shutdown, crash_shutdown, cannot_connect_now); class 08 is "connection exception".
+_GONE = ("57P01", "57P02", "57P03")
+
+
+def is_disconnect(exc: BaseException) -> bool:
+    """Whether ``exc`` means the connection (or the server) is gone, not that a statement failed.
+
+    SQLAlchemy marks the disconnects it sees (``connection_invalidated``); the
+    worker's hot path runs statements on the driver's cursor, which SQLAlchemy
+    does not see, so psycopg's errors are classified here too: no SQLSTATE (the
+    client lost the socket or could not connect), class 08, or a shutdown.
+    A deadlock or a cancelled query is not a disconnect.
+    """
+    if not isinstance(exc, DBAPIError):
+        return False
+    if exc.connection_invalidated:
+        return True
+    orig = exc.orig
+    if not type(orig).__module__.startswith("psycopg"):
+        return False
+    state = getattr(orig, "sqlstate", None)
+    if state is not None:
+        return state.startswith("08") or state in _GONE
+    # psycopg is optional (SQLite users): compare class names, not classes.
+    return any(cls.__name__ in ("OperationalError", "InterfaceError") for cls in type(orig).__mro__)
+
+
+def _has_input(dbapi_connection: Any) -> bool:
+    """Whether the server sent something on this idle connection (a farewell, or the socket's EOF)."""
+    if dbapi_connection.closed or getattr(dbapi_connection, "broken", False):
+        return True
+    poller = select.poll()
+    poller.register(dbapi_connection.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    return bool(poller.poll(0))
+
+
+def check_alive(dbapi_connection: Any, connection_record: Any, connection_proxy: Any) -> None:
+    """Pool checkout: a connection the server closed is replaced, and so is every older one.
+
+    No round trip in the normal case; a ping only when the socket has
+    something to read (then it is most likely the server's goodbye).
+    """
+    if not _has_input(dbapi_connection):
+        return
+    try:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+        dbapi_connection.rollback()  # the ping opened a transaction: leave the connection idle
+    except Exception as exc:
+        raise InvalidatePoolError(f"connection closed by the server: {exc}") from exc

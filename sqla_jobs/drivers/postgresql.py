@@ -60,7 +60,10 @@ def notify_channel(table: Table) -> str:
 # `id = ANY(ids) AND token = ANY(tokens)` test could match a job we re-claimed
 # under another token); the pairs travel as one "id:token,…" string because
 # the driver's array adaptation was a quarter of the worker's time. `due` is
-# MATERIALIZED so exactly `limit` rows are locked; `claimed` takes them.
+# MATERIALIZED so exactly `limit` rows are locked; `claimed` takes them, except
+# jobs marked `isolate` (their worker was lost while they ran): an idle worker
+# (`alone`) takes the most urgent of those and nothing else; a busy one leaves
+# them and learns of them from the rows with `claimed` NULL.
 _PG_FINISH_AND_CLAIM = """
 WITH done AS (
     UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL
@@ -71,21 +74,27 @@ WITH done AS (
     WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running'
     RETURNING j.id
 ), due AS MATERIALIZED (
-    SELECT id FROM {table}
+    SELECT id, isolate, priority, run_at FROM {table}
     WHERE state = 'pending' AND run_at <= now() {queue_filter}
     ORDER BY priority DESC, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
+), alone AS (
+    SELECT id FROM due WHERE isolate AND %(alone)s ORDER BY priority DESC, run_at, id LIMIT 1
 ), claimed AS (
     UPDATE {table} AS j
     SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
         claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
     FROM due WHERE j.id = due.id
-    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at
+        AND (due.id IN (SELECT id FROM alone) OR NOT (due.isolate OR EXISTS (SELECT FROM alone)))
+    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate
 )
-SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at FROM claimed
+SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at, isolate FROM claimed
 UNION ALL
-SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
+SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
+UNION ALL
+SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
+WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
 
 
@@ -221,6 +230,9 @@ class PostgreSQLDriver(Driver):
     def harden(self, engine: Engine, worker_name: str) -> None:
         pg_keepalive.harden(engine, worker_name)  # keepalives, timeouts, application_name
 
+    def is_disconnect(self, exc: BaseException) -> bool:
+        return pg_keepalive.is_disconnect(exc)
+
     # -- time, schema, wake-up -------------------------------------------------------
 
     def now(self) -> ColumnElement[datetime]:
@@ -260,8 +272,10 @@ class PostgreSQLDriver(Driver):
         token: str,
         lease: float,
         queues: Sequence[str] | None,
-    ) -> tuple[set[int], list[Claimed]]:
-        return self._pg_finish_and_claim(conn, fences, limit, worker, token, lease, queues, ordered=False)
+        *,
+        alone: bool = False,
+    ) -> tuple[set[int], list[Claimed], bool]:
+        return self._pg_finish_and_claim(conn, fences, limit, worker, token, lease, queues, ordered=False, alone=alone)
 
     def _pg_finish_and_claim(
         self,
@@ -274,7 +288,8 @@ class PostgreSQLDriver(Driver):
         queues: Sequence[str] | None,
         *,
         ordered: bool,
-    ) -> tuple[set[int], list[Claimed]]:
+        alone: bool,
+    ) -> tuple[set[int], list[Claimed], bool]:
         params = {
             "fences": ",".join(f"{job_id}:{job_token}" for job_id, job_token in fences),
             "limit": limit,
@@ -282,6 +297,7 @@ class PostgreSQLDriver(Driver):
             "token": token,
             "lease": float(lease),
             "queues": list(queues or ()),
+            "alone": alone,
         }
         # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
         # result machinery was a fifth of the worker's time. Errors are wrapped
@@ -299,17 +315,29 @@ class PostgreSQLDriver(Driver):
             if isinstance(exc, conn.dialect.loaded_dbapi.Error):
                 raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
             raise
-        finished = {r[1] for r in rows if not r[0]}
+        finished = {r[1] for r in rows if r[0] is False}
         claimed = [r for r in rows if r[0]]
+        waiting = any(r[0] is None for r in rows)  # an isolated job was left for an idle worker
         if ordered:  # the worker does not need it: a batch never exceeds its free threads, all start at once
             claimed.sort(key=lambda r: (-r[7], r[8], r[1]))
-        return finished, [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token) for r in claimed]
+        jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token, bool(r[9])) for r in claimed]
+        return finished, jobs, waiting
 
-    def claim(
-        self, conn: Connection, limit: int, worker: str, token: str, lease: float, queues: Sequence[str] | None
-    ) -> list[Claimed]:
+    def claim_batch(
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        alone: bool,
+    ) -> tuple[list[Claimed], bool]:
         # The worker's own statement, so what is tested is what runs.
-        return self._pg_finish_and_claim(conn, [], limit, worker, token, lease, queues, ordered=True)[1]
+        _, jobs, waiting = self._pg_finish_and_claim(
+            conn, [], limit, worker, token, lease, queues, ordered=True, alone=alone
+        )
+        return jobs, waiting
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """COPY, the fastest way in."""

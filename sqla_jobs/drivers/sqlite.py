@@ -143,14 +143,31 @@ class SQLiteDriver(Driver):
 
     # -- the worker's path -----------------------------------------------------------
 
-    def claim(
-        self, conn: Connection, limit: int, worker: str, token: str, lease: float, queues: Sequence[str] | None
-    ) -> list[Claimed]:
+    def claim_batch(
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        alone: bool,
+    ) -> tuple[list[Claimed], bool]:
+        """Under BEGIN IMMEDIATE: choose among the due window, then take the rows."""
+        if limit <= 0:
+            return [], False
         t = self.jobs
-        due = select(t.c.id).where(t.c.state == "pending", t.c.run_at <= self.now())
+        due = select(t.c.id, t.c.isolate).where(t.c.state == "pending", t.c.run_at <= self.now())
         if queues:
             due = due.where(t.c.queue.in_(queues))
-        due = due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)
+        window = list(conn.execute(due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)))
+        isolated = [r.id for r in window if r.isolate]
+        if alone and isolated:
+            ids, waiting = isolated[:1], len(isolated) > 1  # the window is in claim order: the most urgent one
+        else:
+            ids, waiting = [r.id for r in window if not r.isolate], bool(isolated)
+        if not ids:
+            return [], waiting
         stmt = update(t).values(
             state="running",
             attempts=t.c.attempts + 1,
@@ -159,13 +176,16 @@ class SQLiteDriver(Driver):
             claim_token=token,
             lease_expires_at=self.later(lease),
         )
-        # Under BEGIN IMMEDIATE nobody else writes meanwhile: the subquery needs no row locks.
-        stmt = stmt.where(t.c.id.in_(due.scalar_subquery())).returning(
-            t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority, t.c.run_at
+        # Under BEGIN IMMEDIATE nobody else writes meanwhile: the window read above needs no row locks.
+        stmt = stmt.where(t.c.id.in_(ids)).returning(
+            t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority, t.c.run_at,
+            t.c.isolate,
         )
         # UPDATE … RETURNING has no order: give the batch back in claim order.
         rows = sorted(conn.execute(stmt), key=lambda r: (-r.priority, r.run_at, r.id))
-        return [Claimed(r.id, r.kind, r.queue, r.payload, r.attempts, r.max_attempts, r.priority, token) for r in rows]
+        claimed = [Claimed(r.id, r.kind, r.queue, r.payload, r.attempts, r.max_attempts, r.priority, token,
+                           bool(r.isolate)) for r in rows]
+        return claimed, waiting
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("json_insert(COALESCE(errors, '[]'), '$[#]', json(:entry))").bindparams(entry=json.dumps(entry))

@@ -73,8 +73,11 @@ class PrivateCluster:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120, cwd=self.dir)
 
     def start(self) -> None:
+        # fsync off is safe for tests that stop the server, never the machine: written WAL stays in the
+        # OS cache. synchronous_commit must stay on: off, an immediate stop (a crash) forgets commits it
+        # already acknowledged, and a job a worker was told it finished comes back running.
         options = (f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir} "
-                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=60")
+                   "-c fsync=off -c synchronous_commit=on -c full_page_writes=off -c max_connections=60")
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.dir / "log"), "-o", options, "-w", "-t", "60", "start")
 
     def stop(self, mode: str = "fast") -> None:

@@ -117,3 +117,46 @@ def test_pool_exhausted_by_transactional_handlers_does_not_kill_the_worker(pg: D
         assert set(states.values()) == {"finished"}
     finally:
         engine.dispose()
+
+
+def test_server_restarts_do_not_use_up_attempts(
+    private_cluster: PrivateCluster, private_db: Database, workers: Workers
+) -> None:
+    """Three restarts during a drain with max_attempts=2: an outage of the queue database is not the job's
+    fault, so nothing is dead-lettered, every job finishes, and no job is charged an attempt for an outage.
+
+    Half the jobs are transactional (their session is the worker's), half write through the app's own
+    engine on the same database; both kinds are in the middle of a write when the server goes away.
+    """
+    engine = private_db.engine
+    # A 60 s lease: leases outlive the outages, so only the handlers' failures could charge attempts.
+    pool = [workers(private_db.url, concurrency=3, lease=60, heartbeat=0.5) for _ in range(2)]
+    ids = []
+    for _ in range(150):
+        ids += enqueue(engine, "once", {"sleep": 0.1}, max_attempts=2)
+        ids += enqueue(engine, "record", {"sleep": 0.1}, max_attempts=2)
+
+    def finished() -> int:
+        with engine.connect() as conn:
+            return int(conn.execute(text("select count(*) from jobs where state = 'finished'")).scalar_one())
+
+    # Restart at a quarter, half and three quarters of the drain: always while jobs remain.
+    for quarter, mode in enumerate(("fast", "immediate", "fast"), start=1):
+        wait_for(lambda: finished() >= quarter * len(ids) // 4, 120, "the workers to get going again")  # noqa: B023
+        private_cluster.stop(mode)
+        time.sleep(1.5)
+        private_cluster.start()
+    wait_for(lambda: all_settled(engine, ids), 180, "every job to finish after the restarts")
+    for worker in pool:
+        assert worker.alive(), "a worker died instead of reconnecting"
+        assert worker.stop() == 0
+    states = check_invariants(engine, ids, workers.logs())
+    dead_letters = sorted(job_id for job_id, state in states.items() if state == "dead")
+    assert not dead_letters, f"dead-lettered by outages: {dead_letters}"
+    assert set(states.values()) == {"finished"}
+    with engine.connect() as conn:
+        rows = conn.execute(text("select id, attempts, errors from jobs where id = any(:ids)"), {"ids": ids}).all()
+    charged = {r.id: r.errors for r in rows if r.attempts != 1}
+    assert not charged, f"{len(charged)} job(s) charged for outages, e.g. {list(charged.items())[:3]}"
+    interrupted = [r.id for r in rows if any("attempt not counted" in e["error"] for e in r.errors or [])]
+    assert interrupted, "no handler was interrupted by the restarts: the test proved nothing"

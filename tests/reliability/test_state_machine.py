@@ -36,6 +36,7 @@ class Model:
     max_attempts: int
     token: str | None = None
     expired: bool = False
+    isolate: bool = False  # its worker was lost: it runs next alone (docs/guarantees.md, poison jobs)
 
 
 def make_machine(db: Database) -> type[RuleBasedStateMachine]:
@@ -82,14 +83,26 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
             for job_id in enqueue(engine, "noop", n=n, max_attempts=max_attempts):
                 self.model[job_id] = Model("pending", 0, max_attempts)
 
-        @rule(limit=st.integers(1, 3))
-        def claim(self, limit: int) -> None:
+        @rule(limit=st.integers(1, 3), alone=st.booleans())
+        def claim(self, limit: int, alone: bool) -> None:
             token = uuid.uuid4().hex
+            with engine.connect() as conn:  # the due window in claim order (the model does not keep run_at)
+                order = list(conn.execute(select(jobs.c.id).where(jobs.c.state == "pending")
+                                          .order_by(jobs.c.priority.desc(), jobs.c.run_at, jobs.c.id)).scalars())
             with sql.write(engine) as conn:
-                claimed = sql.claim(conn, limit, "machine", token, 60.0, None)
+                _, claimed, waiting = sql.finish_and_claim(conn, [], limit, "machine", token, 60.0, None, alone=alone)
             pending = [i for i, m in self.model.items() if m.state == "pending"]
-            assert len(claimed) == min(limit, len(pending)), "claim takes every due job up to the limit"
+            assert sorted(order) == sorted(pending)
+            window = order[:limit]
+            isolated = [i for i in window if self.model[i].isolate]
+            # An idle worker takes the most urgent isolated job and only it; otherwise every due job up to
+            # the limit except isolated ones.
+            ordinary = [i for i in window if not self.model[i].isolate]
+            expected = isolated[:1] if alone and isolated else ordinary
+            assert sorted(j.id for j in claimed) == sorted(expected), f"window {window}, alone={alone}"
+            assert waiting == bool(set(isolated) - set(expected)), "isolated jobs left behind are reported"
             for job in claimed:
+                assert job.isolated == self.model[job.id].isolate
                 m = self.model[job.id]
                 assert m.state == "pending", f"claimed job {job.id} that was {m.state}"
                 m.state, m.token, m.expired = "running", token, False
@@ -122,7 +135,7 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
             for m in self.model.values():
                 if m.state == "running" and m.expired:
                     m.state = "dead" if m.attempts >= m.max_attempts else "pending"
-                    m.token, m.expired = None, False
+                    m.token, m.expired, m.isolate = None, False, m.state == "pending"
 
         @precondition(lambda self: self.fences)
         @rule(index=st.integers(0, 1000))
@@ -145,6 +158,7 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
 
             if self.fenced_write(fence, write):
                 m.state, m.token, m.expired = ("dead" if last else "pending"), None, False
+                m.isolate = False  # the run ended: the mark is spent
 
         @precondition(lambda self: self.fences)
         @rule(index=st.integers(0, 1000))
@@ -200,6 +214,7 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
                 row = rows[job_id]
                 assert (row.state, row.attempts, row.claim_token) == (m.state, m.attempts, m.token), (
                     f"job {job_id}: database {(row.state, row.attempts, row.claim_token)}, model {m}")
+                assert row.isolate == m.isolate, f"job {job_id}: isolate {row.isolate}, model {m}"
                 if m.state == "running":
                     assert (job_id in live) == (not m.expired), f"job {job_id} lease liveness disagrees"
                 else:

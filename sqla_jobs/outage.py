@@ -1,0 +1,63 @@
+"""Telling an outage of the queue's database from a handler's own failure.
+
+An attempt whose handler failed because the queue's database went away (a
+restart, a failover, a killed connection) is not the job's fault, so it is
+not charged (docs/guarantees.md, "Database outages"). The rule: the attempt
+counts as interrupted by an outage when, on the handler's thread and during
+that attempt, SQLAlchemy saw a connection to the queue database drop (its
+dialect calls the error a disconnect) or fail to open. "The queue database"
+is any engine with the same backend, host, port and database name as the
+worker's engine, so a handler's own engine on that database counts, and any
+other database the handler talks to does not: its errors are the handler's.
+
+SQLAlchemy reports every DBAPI error to ``handle_error`` listeners, with the
+engine and whether the connection is gone; one listener on ``Engine`` notes
+the database of each drop in a thread-local set, but only while a worker is
+watching that thread (``watch()``), so it costs nothing elsewhere.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, event
+from sqlalchemy.engine import URL, ExceptionContext
+from sqlalchemy.exc import DBAPIError
+
+__all__ = ["database_key", "watch"]
+
+DatabaseKey = tuple[Any, ...]
+
+_seen = threading.local()
+
+
+def database_key(url: URL) -> DatabaseKey:
+    """One database, whatever the driver, credentials or options (``search_path``) of the URL."""
+    return (url.get_backend_name(), url.host, url.port, url.database)
+
+
+def _note(ctx: ExceptionContext) -> None:
+    watching: set[DatabaseKey] | None = getattr(_seen, "keys", None)
+    if watching is None or ctx.engine is None:
+        return
+    # No connection at all means it could not be opened (refused, timed out, server starting up).
+    unreachable = ctx.connection is None and isinstance(ctx.sqlalchemy_exception, DBAPIError)
+    if ctx.is_disconnect or unreachable:
+        watching.add(database_key(ctx.engine.url))
+
+
+event.listen(Engine, "handle_error", _note)
+
+
+@contextmanager
+def watch() -> Iterator[set[DatabaseKey]]:
+    """Collect, for the calling thread, the databases whose connections dropped meanwhile."""
+    previous = getattr(_seen, "keys", None)
+    _seen.keys = found = set()
+    try:
+        yield found
+    finally:
+        _seen.keys = previous

@@ -1,0 +1,123 @@
+"""Outcomes reported exactly as they happened, and charged to the job only when they are its own.
+
+A transactional job whose transaction committed is reported finished (log,
+``processed``, hooks, hence metrics), whatever a heartbeat running at the same
+moment saw: the heartbeat must not take the job for lost because its own
+worker just finished it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+from sqlalchemy import create_engine, event, func, select
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session
+
+from sqla_jobs import JobEvent, Worker
+from sqla_jobs.worker import MAX_UNCOUNTED_OUTAGES
+from tests import app
+from tests.conftest import Database
+from tests.helpers import run_burst
+
+from .harness import check_invariants, dead, enqueue, states
+
+pytestmark = pytest.mark.slow
+
+
+def test_committed_transactional_jobs_are_all_reported_finished(db: Database) -> None:
+    # A heartbeat every 20 ms while hundreds of transactional jobs commit: the race (a heartbeat between a
+    # handler's commit and the control loop collecting its outcome) hit about a third of them before the
+    # fix. The lease is long so that no lease runs out on a loaded machine (SQLite's write lock makes
+    # heartbeats wait): every event but "finished" would then be a misreport.
+    n, workers_n = 600, 3
+    ids = enqueue(db.engine, "once", n=n)
+    events: Counter[tuple[str, int]] = Counter()
+    lock = threading.Lock()
+
+    def hook(event: JobEvent) -> None:
+        with lock:
+            events[(event.name, event.id)] += 1
+
+    for name in ("finished", "lost", "failed", "dead_letter"):
+        app.queue.on(name)(hook)
+    engines = [create_engine(db.url, pool_size=8) for _ in range(workers_n)]
+    pool = [Worker(e, app.queue, concurrency=4, lease=10, heartbeat=0.02, poll_interval=0.05, listen=False)
+            for e in engines]
+    try:
+        runners = [threading.Thread(target=w.run, kwargs={"burst": True, "install_signals": False}) for w in pool]
+        for runner in runners:
+            runner.start()
+        for runner in runners:
+            runner.join(240)
+        assert not any(r.is_alive() for r in runners), "a worker did not drain in time"
+    finally:
+        for name in ("finished", "lost", "failed", "dead_letter"):
+            app.queue.off(name, hook)
+        for e in engines:
+            e.dispose()
+
+    states = check_invariants(db.engine, ids)
+    assert set(states.values()) == {"finished"}
+    with db.engine.connect() as conn:
+        once_rows = conn.execute(select(func.count()).select_from(app.Once)).scalar_one()
+    assert once_rows == n, "every transactional job committed exactly once"
+    finished = {job_id for (name, job_id) in events if name == "finished"}
+    others = {key: count for key, count in events.items() if key[0] != "finished"}
+    assert not others, f"committed jobs reported as something else: {dict(list(others.items())[:10])}"
+    assert len(finished) == n, f"{n - len(finished)} committed jobs were never reported finished"
+    assert all(events[("finished", job_id)] == 1 for job_id in ids), "a job reported finished twice"
+    assert sum(w.processed for w in pool) == n, "processed counts every committed job once"
+
+
+
+def test_a_handler_failing_on_another_database_is_charged(pg: Database) -> None:
+    """Only the queue database's outages are refunded: a handler that cannot reach its other database
+    failed on its own, and with max_attempts=1 that is the end of it."""
+    [job_id] = enqueue(pg.engine, "other_db_down", max_attempts=1)
+    run_burst(pg.engine, listen=False)
+    assert states(pg.engine, [job_id]) == {job_id: "dead"}
+    row = dead(pg.engine, job_id)
+    assert row.attempts == 1 and "OperationalError" in row.last_error
+    assert "not counted" not in row.last_error
+
+
+def test_queue_connection_dropped_under_a_handler_is_refunded_a_bounded_number_of_times(pg: Database) -> None:
+    """The handler's session (the worker's engine) loses its server process: an outage of the queue
+    database, so the attempt is refunded and the job runs again at once. A handler that does this every
+    time is not retried forever: after MAX_UNCOUNTED_OUTAGES refunds its attempts count again."""
+    [job_id] = enqueue(pg.engine, "kill_own_backend", max_attempts=1)
+    run_burst(pg.engine, listen=False)
+    assert states(pg.engine, [job_id]) == {job_id: "dead"}
+    row = dead(pg.engine, job_id)
+    uncounted = [e for e in row.errors if "attempt not counted" in e["error"]]
+    assert len(uncounted) == MAX_UNCOUNTED_OUTAGES
+    assert all(e["attempt"] == 1 for e in uncounted), "every refunded run was attempt 1"
+    assert len(row.errors) == MAX_UNCOUNTED_OUTAGES + 1 and row.attempts == 1
+
+
+def test_a_commit_whose_reply_was_lost_is_reported_finished(db: Database) -> None:
+    """The transactional handler's commit applies, then the call fails (the reply never came back):
+    the worker's fenced retry write finds the job finished under its own claim and says so."""
+    [job_id] = enqueue(db.engine, "once", max_attempts=5)
+    heard: list[tuple[str, int]] = []
+
+    def hook(event: JobEvent) -> None:
+        heard.append((event.name, event.id))
+
+    def reply_lost(session: Session) -> None:
+        raise OperationalError("COMMIT", {}, ConnectionError("the reply to COMMIT was lost"))
+
+    for name in ("finished", "lost", "failed"):
+        app.queue.on(name)(hook)
+    event.listen(Session, "after_commit", reply_lost)
+    try:
+        worker = run_burst(db.engine, listen=False)
+    finally:
+        event.remove(Session, "after_commit", reply_lost)
+        for name in ("finished", "lost", "failed"):
+            app.queue.off(name, hook)
+    assert check_invariants(db.engine, [job_id]) == {job_id: "finished"}
+    assert heard == [("finished", job_id)] and worker.processed == 1
