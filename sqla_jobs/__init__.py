@@ -6,8 +6,10 @@ by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 
 from .backoff import Backoff
 from .context import JobContext, current_job
+from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
     ConfigError,
+    ConnectionProblem,
     InvalidJob,
     JobCancel,
     JobSnooze,
@@ -18,7 +20,6 @@ from .errors import (
 )
 from .models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
 from .queue import JobEvent, JobQueue
-from .sql import MAX_ERROR_LENGTH
 from .worker import Worker
 
 __version__ = "0.1.0"
@@ -29,6 +30,7 @@ __all__ = [
     "MAX_PAYLOAD_DEPTH",
     "Backoff",
     "ConfigError",
+    "ConnectionProblem",
     "DeadJobMixin",
     "InvalidJob",
     "JobCancel",

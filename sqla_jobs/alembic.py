@@ -67,27 +67,26 @@ import logging
 import os
 import re
 import uuid
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from alembic.autogenerate import comparators, produce_migrations, render_python_code
+from alembic.autogenerate import produce_migrations, render_python_code
 from alembic.config import Config
 from alembic.operations import ops
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from alembic.util import CommandError
-from sqlalchemy import Column, Connection, Index, MetaData, Table, inspect, make_url, text
+from sqlalchemy import Connection, MetaData, inspect, make_url
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSON as PG_JSON
 from sqlalchemy.dialects.postgresql import JSONB
 
+from ._alembic_compare import _leave_our_indexes_to_us, _server_defaults_of_job_tables, _with_our_indexes, job_tables
 from ._payload import PayloadType
+from .drivers import driver_class_of, normalise_url, registered
 from .errors import ConfigError
-from .models import DeadJobMixin, JobMixin
-from .sql import notify_trigger_ddl, notify_trigger_name
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
@@ -194,215 +193,6 @@ def configure_options(
     return result
 
 
-# -- comparison --------------------------------------------------------------------
-
-
-def job_tables() -> Iterator[tuple[Table, set[str]]]:
-    """Each mapped JobMixin / DeadJobMixin table imported so far, with the names of the queue's indexes on it."""
-    seen: set[type] = set()
-    stack: list[type] = [JobMixin, DeadJobMixin]
-    while stack:
-        cls = stack.pop()
-        for sub in cls.__subclasses__():
-            if sub in seen:
-                continue
-            seen.add(sub)
-            stack.append(sub)
-            table = sub.__dict__.get("__table__")
-            if isinstance(table, Table):
-                indexes = sub.job_indexes() if issubclass(sub, JobMixin) else sub.dead_indexes()
-                yield table, {ix.name for ix in indexes if isinstance(ix.name, str)}
-
-
-def _our_index_names(table: Table) -> set[str]:
-    """The queue's own index names on ``table`` (matched by schema and name), or none."""
-    for job_table, names in job_tables():
-        if job_table.name == table.name and job_table.schema == table.schema:
-            return names
-    return set()
-
-
-def _leave_our_indexes_to_us(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
-    """include_object: alembic misjudges the queue's partial and expression indexes; our comparator owns them."""
-    return not (type_ == "index" and name in _our_index_names(obj.table))
-
-
-def _with_our_indexes(yours: IncludeObject | None) -> IncludeObject:
-    if yours is None:
-        return _leave_our_indexes_to_us
-
-    def combined(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
-        return yours(obj, name, type_, reflected, compare_to) and _leave_our_indexes_to_us(
-            obj, name, type_, reflected, compare_to
-        )
-
-    return combined
-
-
-Signature = tuple[bool, tuple[str, ...], "str | None"]  # unique, columns (with DESC), predicate
-
-
-@dataclass(frozen=True)
-class _FoundIndex:
-    """An index as the database has it: column elements (``"priority DESC"``) and predicate, as SQL text."""
-
-    unique: bool
-    elements: tuple[str, ...]
-    where: str | None
-
-    def signature(self) -> Signature:
-        return self.unique, tuple(_normalise(e) for e in self.elements), _normalise(self.where) if self.where else None
-
-    def as_index(self, name: str, table: Table, dialect: str) -> Index | None:
-        """This definition as an Index on the reflected ``table``, so a downgrade can re-create it."""
-        parts: list[Any] = []
-        for element in self.elements:
-            column = element.strip().strip('"`[]')
-            parts.append(table.c[column] if column in table.c else text(element.strip()))
-        if not any(isinstance(p, Column) for p in parts):
-            return None  # no plain column to tie it to the table
-        options = {f"{dialect}_where": text(self.where)} if self.where else {}
-        return Index(name, *parts, unique=self.unique, **options)
-
-
-def _server_defaults_of_job_tables(yours: Any) -> Callable[..., bool | None]:
-    """compare_server_default: on for the job tables (None = alembic's comparison), yours for the rest."""
-
-    def compare(context: Any, inspected_column: Any, metadata_column: Any, *defaults: Any) -> bool | None:
-        table = metadata_column.table
-        if _our_index_names(table):
-            inspected, rendered = defaults[0], defaults[-1] if defaults else None
-            if _is_null_default(rendered):  # "DEFAULT NULL": PostgreSQL reflects it as no default
-                return not (inspected is None or _is_null_default(inspected))
-            return None
-        if callable(yours):
-            return yours(context, inspected_column, metadata_column, *defaults)  # type: ignore[no-any-return]
-        return None if yours else False
-
-    return compare
-
-
-def _is_null_default(sql: Any) -> bool:
-    # Our nullable columns say DEFAULT NULL (see models._NULL); it comes back as None, "NULL" or "NULL::text".
-    text = sql.strip().strip("'").lower() if isinstance(sql, str) else ""
-    return re.fullmatch(r"\(?'?null'?\)?(::[\w ]+)?", text) is not None
-
-
-def _normalise(sql: str) -> str:
-    # PostgreSQL hands back "((state)::text = 'pending'::text)" for "state = 'pending'".
-    sql = re.sub(r"::[\w ]+", "", sql.lower())
-    sql = re.sub(r"\basc\b", "", sql)  # the default order; DESC matters and stays
-    return re.sub(r"[\s()\"`\[\]]", "", sql)
-
-
-def _metadata_signature(index: Index, dialect: str) -> Signature:
-    columns = tuple(_normalise(str(getattr(e, "name", None) or e)) for e in index.expressions)
-    where = index.dialect_kwargs.get(f"{dialect}_where")
-    return bool(index.unique), columns, _normalise(str(where)) if where is not None else None
-
-
-def _postgresql_index(index: dict[str, Any]) -> _FoundIndex | None:
-    expressions = index.get("expressions") or index.get("column_names") or []
-    if any(e is None for e in expressions):
-        return None  # an expression this SQLAlchemy version cannot reflect: only its existence is known
-    sorting = index.get("column_sorting") or {}
-    elements = tuple(f"{e} DESC" if "desc" in sorting.get(e, ()) else str(e) for e in expressions)
-    where = (index.get("dialect_options") or {}).get("postgresql_where")
-    return _FoundIndex(bool(index.get("unique")), elements, str(where) if where is not None else None)
-
-
-def _sqlite_index(sql: str) -> _FoundIndex | None:
-    """Parse SQLite's own copy of ``CREATE INDEX``: reflection drops DESC (and, in some versions, more)."""
-    head = re.match(r"\s*create\s+(unique\s+)?index\s.*?\son\s+[^(]+\(", sql, re.IGNORECASE | re.DOTALL)
-    if head is None:
-        return None
-    depth, start = 1, head.end()
-    for i in range(start, len(sql)):
-        depth += {"(": 1, ")": -1}.get(sql[i], 0)
-        if depth == 0:
-            break
-    else:
-        return None
-    elements = tuple(e.strip() for e in sql[start:i].split(","))  # no commas inside our index elements
-    rest = re.match(r"\s*where\s+(.*?)\s*$", sql[i + 1 :], re.IGNORECASE | re.DOTALL)
-    return _FoundIndex(bool(head.group(1)), elements, rest.group(1) if rest else None)
-
-
-def _compare_job_index_lists(
-    autogen_context: AutogenContext,
-    modify_ops: ops.ModifyTableOps,
-    schema: str | None,
-    tname: str,
-    conn_table: Table | None,
-    metadata_table: Table | None,
-) -> None:
-    if metadata_table is None or autogen_context.dialect is None:
-        return
-    ours = _our_index_names(metadata_table)
-    if not ours:
-        return
-    dialect = autogen_context.dialect.name
-    have: dict[str, _FoundIndex | None] = {}
-    if conn_table is not None and dialect == "sqlite" and autogen_context.connection is not None:
-        found_sql = _sqlite_indexes(autogen_context.connection, schema, tname)
-        have = {name: _sqlite_index(sql) for name, sql in found_sql}
-        _warn_if_autoincrement_lost(autogen_context.connection, schema, metadata_table)
-    elif conn_table is not None:
-        inspector = autogen_context.inspector
-        have = {ix["name"]: _postgresql_index(dict(ix)) for ix in inspector.get_indexes(tname, schema=schema)}
-    for index in sorted(metadata_table.indexes, key=lambda ix: str(ix.name)):
-        if index.name not in ours:
-            continue
-        if index.name not in have:
-            modify_ops.ops.append(ops.CreateIndexOp.from_index(index))
-            continue
-        found = have[index.name]
-        if found is not None and found.signature() != _metadata_signature(index, dialect):
-            # Different columns, order or predicate: rebuild it; the downgrade puts the old one back.
-            assert conn_table is not None and isinstance(index.name, str)
-            old = found.as_index(index.name, conn_table, dialect) or index
-            modify_ops.ops.append(ops.DropIndexOp.from_index(old))
-            modify_ops.ops.append(ops.CreateIndexOp.from_index(index))
-
-
-def _warn_if_autoincrement_lost(conn: Connection, schema: str | None, table: Table) -> None:
-    """alembic's SQLite batch mode rebuilds a table without AUTOINCREMENT; it has no operation to restore it."""
-    if not table.dialect_options["sqlite"].get("autoincrement"):
-        return
-    master = f'"{schema}".sqlite_master' if schema else "sqlite_master"
-    sql = conn.execute(text(f"SELECT sql FROM {master} WHERE type = 'table' AND name = :t"), {"t": table.name})
-    created = sql.scalar() or ""
-    if "autoincrement" not in created.lower():
-        log.warning(
-            "table %s was created without AUTOINCREMENT (alembic's batch mode drops it when it rebuilds a table): "
-            "SQLite may reuse the id of a job that left the table, so requeueing its dead-letter copy can fail; "
-            "rebuild it with op.batch_alter_table(%r, recreate='always', table_kwargs={'sqlite_autoincrement': True})",
-            table.name,
-            table.name,
-        )
-
-
-def _sqlite_indexes(conn: Connection, schema: str | None, table: str) -> list[tuple[str, str]]:
-    master = f'"{schema}".sqlite_master' if schema else "sqlite_master"
-    query = text(f"SELECT name, sql FROM {master} WHERE type = 'index' AND tbl_name = :t AND sql IS NOT NULL")
-    return [(r[0], r[1]) for r in conn.execute(query, {"t": table})]
-
-
-# alembic calls every registered "table" comparator for every table; ours acts on job tables only.
-comparators.dispatch_for("table")(_compare_job_index_lists)
-# alembic warns that it skips (or guesses at) the claim index on SQLite; the comparator above owns it.
-warnings.filterwarnings(
-    "ignore", message=r"autogenerate skipping metadata-specified expression-based index 'ix_\w+_pending'"
-)
-
-
-def _not_about_our_claim_index(record: logging.LogRecord) -> bool:
-    return not re.match(r"Generating approximate signature for index Index\('ix_\w+_pending'", record.getMessage())
-
-
-logging.getLogger("alembic.ddl.impl").addFilter(_not_about_our_claim_index)
-
-
 # -- the render command ------------------------------------------------------------------
 
 
@@ -486,7 +276,7 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
 
 def _create_schemas(metadata: MetaData, conn: Connection | None) -> list[ops.MigrateOperation]:
     """PostgreSQL schemas the tables live in, created if missing (and never dropped: they may hold more)."""
-    if conn is not None and conn.dialect.name != "postgresql":
+    if conn is not None and not driver_class_of(conn).creates_schemas():
         return []
     schemas = sorted({t.schema for t in metadata.tables.values() if t.schema})
     if conn is not None:
@@ -496,22 +286,23 @@ def _create_schemas(metadata: MetaData, conn: Connection | None) -> list[ops.Mig
     return [ops.ExecuteSQLOp(f"CREATE SCHEMA IF NOT EXISTS {preparer.quote_schema(s)}") for s in schemas]
 
 
-def _notify_trigger_code(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[str, str] | None:
-    """Upgrade and downgrade code for the NOTIFY trigger, if the database lacks it.
+def _notify_trigger_code(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[str, str, list[str]] | None:
+    """Upgrade and downgrade code for the wake-up trigger(s), if the database lacks them, and their summary.
 
-    Autogenerate cannot see triggers, so render writes it; the code checks the
-    dialect when it runs, so one revision still serves PostgreSQL and SQLite.
+    Autogenerate cannot see triggers, so render writes them; the code checks the
+    dialect when it runs, so one revision still serves every backend.
     """
     table = queue.job_model.__table__  # type: ignore[attr-defined]
-    if conn is not None and (conn.dialect.name != "postgresql" or queue.sql(conn).has_notify_trigger(conn)):
+    if conn is not None:
+        if queue.driver(conn).has_notify_trigger(conn):
+            return None
+        candidates = [driver_class_of(conn)]
+    else:
+        candidates = list(registered())
+    codes = [code for code in (d.wake_trigger_migration(table) for d in candidates) if code is not None]
+    if not codes:
         return None
-    create, drop = notify_trigger_ddl(table)
-    function, trigger = create.split(";\n")
-    guard = '    if op.get_bind().dialect.name == "postgresql":\n'
-    upgrade = (guard + "        # wakes idle workers at commit (LISTEN/NOTIFY); see sqla_jobs.sql.notify_trigger_ddl\n"
-               f"        op.execute({function!r})\n        op.execute({trigger!r})")
-    downgrade = guard + f"        op.execute({drop!r})"
-    return upgrade, downgrade
+    return "\n".join(c[0] for c in codes), "\n".join(c[1] for c in codes), [c[2] for c in codes]
 
 
 def _refuse_second_create(queue: JobQueue[Any, Any], script_dir: ScriptDirectory) -> None:
@@ -565,7 +356,7 @@ def render_revision(
     summary = [line for op in upgrade.ops for line in _describe(op)]
     trigger = _notify_trigger_code(queue, connection)
     if trigger is not None:
-        summary.append(f"create trigger {notify_trigger_name(queue.job_model.__table__)} (PostgreSQL)")  # type: ignore[attr-defined]
+        summary.extend(trigger[2])
     if upgrade.is_empty() and trigger is None:
         return Rendered(None, None, head, [])
     imports = ("from sqlalchemy.dialects import postgresql",)
@@ -608,9 +399,7 @@ def database_url(config: Config) -> str:
         raise ConfigError(
             "no database to migrate: set sqlalchemy.url in alembic.ini or the SQLA_JOBS_URL environment variable"
         )
-    url = make_url(raw)
-    if url.drivername in ("postgresql", "postgres"):
-        url = url.set(drivername="postgresql+psycopg")  # psycopg 3 is what sqla-jobs installs
+    url = normalise_url(make_url(raw))
     return url.render_as_string(hide_password=False)
 
 
@@ -619,7 +408,7 @@ def app_metadata(config: Config) -> MetaData | None:
     spec = os.environ.get("SQLA_JOBS_APP") or config.get_main_option("sqla_jobs.app")
     if not spec:
         return None
-    from .cli import load_app  # the CLI's loader gives the same one-line errors
+    from ._bootstrap import load_app  # the CLI's loader: the same one-line errors
 
     return load_app(spec).job_model.metadata  # type: ignore[no-any-return]
 

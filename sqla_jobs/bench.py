@@ -26,23 +26,22 @@ the drain rate holds up before pruning. ``--json`` prints machine-readable resul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
-import os
 import statistics
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import Engine, MetaData, create_engine, func, insert, select, text
+from sqlalchemy import Engine, MetaData, create_engine, func, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Session
 
+from ._bootstrap import make_engine, worker_pool_size
 from .backoff import Backoff
+from .drivers import driver_class
 from .models import DeadJobMixin, JobMixin
 from .queue import JobQueue
 from .worker import Worker
@@ -81,31 +80,9 @@ def ping(payload: dict[str, Any]) -> None:
 # -- scratch database --------------------------------------------------------------
 
 
-@contextmanager
-def scratch(url: URL) -> Iterator[URL]:
-    """A URL whose tables are the bench's own, removed afterwards."""
-    if url.get_backend_name() == "sqlite":
-        base = url.database if url.database not in (None, "", ":memory:") else None
-        folder = os.path.dirname(os.path.abspath(base)) if base else tempfile.gettempdir()
-        path = os.path.join(folder, f"sqla-jobs-bench-{os.getpid()}.db")
-        try:
-            yield url.set(database=path)
-        finally:
-            for suffix in ("", "-wal", "-shm"):
-                if os.path.exists(path + suffix):
-                    os.remove(path + suffix)
-        return
-    schema = f"sqla_jobs_bench_{os.getpid()}"
-    admin = create_engine(url)
-    with admin.begin() as conn:
-        conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    try:
-        yield url.update_query_dict({"options": f"-csearch_path={schema}"})
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
+def scratch(url: URL) -> contextlib.AbstractContextManager[URL]:
+    """A URL whose tables are the bench's own, removed afterwards (a scratch schema or file: the driver's)."""
+    return driver_class(url.get_backend_name()).bench_scratch(url)
 
 
 def _reset(engine: Engine) -> None:
@@ -131,18 +108,8 @@ def _count_unfinished(engine: Engine) -> int:
 
 def _fill_finished(engine: Engine, rows: int) -> None:
     """Old finished jobs, as a queue that has not been pruned would have."""
-    t = BenchJob.__table__
-    if engine.dialect.name == "postgresql":
-        with engine.begin() as conn:
-            conn.execute(text(
-                f"INSERT INTO {t.name} (kind, queue, payload, state, attempts, locked_at, finished_at) "
-                "SELECT 'noop', 'default', '{}'::jsonb, 'finished', 1, now() - interval '1 day', "
-                "now() - interval '1 day' FROM generate_series(1, :n)"
-            ), {"n": rows})
-            conn.execute(text(f"ANALYZE {t.name}"))
-        return
     with engine.begin() as conn:
-        conn.execute(insert(t), [{"kind": "noop", "payload": {}, "state": "finished", "attempts": 1}] * rows)
+        queue.driver(conn).bench_fill_finished(conn, rows)
 
 
 # -- measurements --------------------------------------------------------------------
@@ -184,8 +151,8 @@ def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int) -> Non
     import logging
 
     logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
-    engine = create_engine(url, pool_size=max(5, concurrency + 2))
-    poll = 0.5 if engine.dialect.name == "postgresql" else 0.02  # SQLite has no NOTIFY: it polls
+    engine = create_engine(url, pool_size=worker_pool_size(concurrency))
+    poll = 0.5 if queue.driver(engine).supports_listen else 0.02  # without LISTEN a worker polls
     worker = Worker(engine, queue, concurrency=concurrency, poll_interval=poll, batch_size=batch_size)
     ready.set()
     worker.run()
@@ -236,7 +203,8 @@ def drain(
 def pickup_latency(engine: Engine, samples: int) -> list[float]:
     """Milliseconds from the commit of a job to its handler starting, with an idle in-process worker."""
     # SQLite has no NOTIFY: the figure there is the polling interval's doing.
-    worker = Worker(engine, queue, concurrency=1, poll_interval=1.0 if engine.dialect.name == "postgresql" else 0.05)
+    poll = 1.0 if queue.driver(engine).supports_listen else 0.05
+    worker = Worker(engine, queue, concurrency=1, poll_interval=poll)
     thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
     thread.start()
     time.sleep(1.0)
@@ -259,7 +227,7 @@ def _pct(values: list[float], p: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
 
 
-def run_bench(args: argparse.Namespace, make_engine: Callable[[str], Engine]) -> int:
+def run_bench(args: argparse.Namespace) -> int:
     base = make_engine(args.url)
     url = base.url
     base.dispose()

@@ -13,11 +13,9 @@ one readable line, never a traceback.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import logging
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -27,14 +25,14 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, make_url, select
-from sqlalchemy.engine import URL
-from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+from sqlalchemy import Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from ._bootstrap import load_app, make_engine, worker_pool_size
 from .cli_migrations import add_migrations_parser
 from .durations import format_duration, parse_duration
-from .errors import ConfigError, NotFound, SchemaError, SqlaJobsError
+from .errors import ConfigError, ConnectionProblem, NotFound, SchemaError, SqlaJobsError
 from .lost import hand_back
 from .models import STATES
 from .queue import JobQueue
@@ -47,74 +45,6 @@ __all__ = ["main"]
 log = logging.getLogger("sqla_jobs")
 
 
-def load_app(spec: str | None) -> JobQueue[Any, Any]:
-    """Import ``module:attr`` and check it is a JobQueue."""
-    if not spec:
-        raise ConfigError("no app given: pass --app module:attr (or set SQLA_JOBS_APP) naming your JobQueue")
-    module_name, _, attr = spec.partition(":")
-    if not module_name or not attr:
-        raise ConfigError(f"--app {spec!r} must look like 'package.module:queue'")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(
-            f"--app {spec!r}: cannot import {module_name!r} ({exc}); run from your project's directory "
-            "or add it to PYTHONPATH"
-        ) from None
-    except Exception as exc:  # the module itself is broken (SyntaxError, a failing import-time setting, ...)
-        raise ConfigError(
-            f"--app {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}; "
-            f"fix it, then check with: python -c 'import {module_name}'"
-        ) from None
-    try:
-        obj = getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"--app {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
-    if not isinstance(obj, JobQueue):
-        what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
-        raise ConfigError(f"--app {spec!r} is {what}, not a sqla_jobs.JobQueue; name your JobQueue instance")
-    return obj
-
-
-def make_engine(raw: str | None, pool_size: int | None = None) -> Engine:
-    """An engine for ``--url``, with the driver sqla-jobs ships for PostgreSQL.
-
-    ``pool_size``: connections the caller may hold at once (the worker: one per
-    transactional handler thread, plus the control loop's).
-    """
-    if not raw:
-        raise ConfigError("no database given: pass --url (or set SQLA_JOBS_URL), e.g. sqlite:///jobs.db")
-    try:
-        url: URL = make_url(raw)
-    except (ArgumentError, ValueError):  # ValueError: e.g. a port that is not a number
-        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", raw)  # never echo a password
-        raise ConfigError(
-            f"--url {shown!r} is not a database URL; expected e.g. postgresql+psycopg://user@host/db "
-            "or sqlite:///path/to/jobs.db"
-        ) from None
-    if url.drivername in ("postgresql", "postgres"):
-        url = url.set(drivername="postgresql+psycopg")  # psycopg 3 is our dependency, psycopg2 is not
-    if url.get_backend_name() not in ("postgresql", "sqlite"):
-        raise ConfigError(f"--url: sqla-jobs supports PostgreSQL and SQLite, not {url.get_backend_name()!r}")
-    try:
-        engine = create_engine(url, **({"pool_size": pool_size} if pool_size else {}))
-    except (NoSuchModuleError, ImportError) as exc:
-        raise ConfigError(f"--url {url.render_as_string()!r}: {exc}") from None
-    try:
-        with engine.connect() as conn:
-            conn.execute(select(1))
-    except DBAPIError as exc:
-        first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
-        raise ConnectionProblem(f"cannot reach the database at {url.render_as_string()}: {first}") from None
-    return engine
-
-
-class ConnectionProblem(SqlaJobsError):
-    """The database did not answer."""
-
-
 # -- commands ------------------------------------------------------------------
 
 
@@ -124,9 +54,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     queue = load_app(args.app)
     if args.concurrency < 1:  # checked before connecting, so the message is about the option
         raise ConfigError("--concurrency must be at least 1")
-    # Transactional handlers each hold a connection while they run: the default pool (5 + 10) is too small
-    # for a high --concurrency, and its 30 s checkout timeout would fail long jobs.
-    engine = make_engine(args.url, pool_size=args.concurrency + 2)
+    engine = make_engine(args.url, pool_size=worker_pool_size(args.concurrency))
     if args.processes > 1:
         engine.dispose()
         queue.check_schema(engine)
@@ -178,7 +106,7 @@ def supervise(args: argparse.Namespace, queue: JobQueue[Any, Any], engine: Engin
     def died(child: subprocess.Popen[bytes], name: str) -> None:
         """Hand back what the dead child was running; on a database error, its leases still cover it."""
         try:
-            sql = queue.sql(engine)
+            sql = queue.driver(engine)
             count = hand_back(queue, engine, sql, lambda conn: sql.held_by(conn, name),
                               f"worker process {name} exited with {child.returncode}")
         except DBAPIError as exc:
@@ -320,7 +248,7 @@ def cmd_dead_retry(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import run_bench
 
-    return run_bench(args, make_engine)
+    return run_bench(args)
 
 
 # -- stats, jobs, dead-letter admin, prune, health (docs/howto/operations.md) ----------

@@ -37,7 +37,7 @@ def _alembic() -> Any:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from .cli import load_app, make_engine
+    from ._bootstrap import load_app, make_engine
 
     support = _alembic()
     queue = load_app(args.app)

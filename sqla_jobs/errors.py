@@ -6,6 +6,7 @@ The tree::
     ├── InvalidJob (ValueError)   a Job was built or flushed with a bad field
     ├── ConfigError               bad --url, --app, or option; says what to change
     ├── SchemaError               the job tables are missing or out of date
+    ├── ConnectionProblem         the database did not answer (the CLI exits 1)
     ├── NotFound (LookupError)    no job / dead job with that id
     └── JobStateError             the job's state forbids it (cancel a finished job)
 
@@ -36,6 +37,10 @@ class ConfigError(SqlaJobsError):
 
 class SchemaError(SqlaJobsError):
     """The job tables are missing or out of date: run `sqla-jobs create-tables` or your alembic migrations."""
+
+
+class ConnectionProblem(SqlaJobsError):
+    """The database did not answer."""
 
 
 class NotFound(SqlaJobsError, LookupError):

@@ -1,9 +1,9 @@
 """Jobs whose worker was lost: the rules for handing them back, in one place.
 
 Two callers find such jobs: the worker's lease reaper (a worker stopped
-heartbeating: ``SQL.expired``) and the ``--processes`` supervisor, which sees
+heartbeating: ``Driver.expired``) and the ``--processes`` supervisor, which sees
 its child process die and hands back that child's jobs at once instead of
-waiting a whole lease (``SQL.held_by``). Either way, per job:
+waiting a whole lease (``Driver.held_by``). Either way, per job:
 
 * a cancel requested meanwhile is honoured (the job ends ``cancelled``);
 * the lost attempt counts, so a job lost on its last attempt is dead-lettered;
@@ -24,8 +24,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
+from .drivers import Driver
 from .queue import JobEvent, JobQueue
-from .sql import SQL
 
 __all__ = ["hand_back"]
 
@@ -35,11 +35,11 @@ log = logging.getLogger("sqla_jobs.worker")
 def hand_back(
     queue: JobQueue[Any, Any],
     engine: Engine,
-    sql: SQL,
+    sql: Driver,
     find: Callable[[Connection], list[Any]],
     why: str,
 ) -> int:
-    """Hand back the jobs ``find`` returns (rows shaped like ``SQL.expired``'s); returns how many.
+    """Hand back the jobs ``find`` returns (rows shaped like ``Driver.expired``'s); returns how many.
 
     ``why`` is formatted with ``row`` and ends up in the job's error history,
     e.g. ``"worker {row.locked_by} stopped heartbeating (lease expired)"``.

@@ -54,14 +54,14 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
-from sqlalchemy import DDL, JSON, BigInteger, Boolean, DateTime, Index, Integer, String, Text, event, text
+from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Index, Integer, String, Text, event, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 
 from . import _payload
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, PayloadType
+from .drivers import attach_table_events
 from .errors import InvalidJob
-from .sql import notify_trigger_ddl
 
 __all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin"]
 
@@ -309,12 +309,10 @@ def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> N
 
 @event.listens_for(JobMixin, "instrument_class", propagate=True)
 def _add_notify_trigger(mapper: Mapper[Any], cls: type[JobMixin]) -> None:
-    """Create the wake-up trigger with the table, on PostgreSQL (see ``sql.notify_trigger_ddl``).
+    """Create the wake-up trigger with the table, on PostgreSQL (see ``drivers.postgresql.notify_trigger_ddl``).
 
     ``create_all`` and ``sqla-jobs create-tables`` create it; the rendered
     alembic revision creates it too. Without it workers still find new jobs
     by polling, only later.
     """
-    table = cls.__table__  # type: ignore[attr-defined]
-    create, _drop = notify_trigger_ddl(table)
-    event.listen(table, "after_create", DDL(create).execute_if(dialect="postgresql"))
+    attach_table_events(cls.__table__)  # type: ignore[attr-defined]

@@ -42,9 +42,9 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from .backoff import Backoff
+from .drivers import Driver, driver_for
 from .errors import ConfigError, InvalidJob, JobStateError, NotFound
 from .models import STATES, DeadJobMixin, JobMixin, check_row
-from .sql import SQL
 from .stats import QueueStats, collect
 
 __all__ = ["EVENTS", "Handler", "JobEvent", "JobQueue"]
@@ -105,7 +105,7 @@ class JobQueue(Generic[J, D]):
         self.check_kinds = check_kinds
         self.handlers: dict[str, Handler] = {}
         self._hooks: dict[str, list[Callable[[JobEvent], Any]]] = {name: [] for name in EVENTS}
-        self._sql: dict[str, SQL] = {}
+        self._drivers: dict[type[Any], Driver] = {}
         # The before_insert check in models.py finds the queues of a model here.
         job_model.__sqla_jobs_queues__ = (*getattr(job_model, "__sqla_jobs_queues__", ()), self)  # type: ignore[attr-defined]
 
@@ -187,11 +187,12 @@ class JobQueue(Generic[J, D]):
 
     # -- database ----------------------------------------------------------------
 
-    def sql(self, bind: Engine | Connection) -> SQL:
-        name = bind.dialect.name
-        if name not in self._sql:
-            self._sql[name] = SQL(self.job_model.__table__, self.dead_model.__table__, name)  # type: ignore[attr-defined]
-        return self._sql[name]
+    def driver(self, bind: Engine | Connection) -> Driver:
+        """The database driver for this queue's tables on ``bind``'s database (internal: see sqla_jobs.drivers)."""
+        key = type(bind.dialect)
+        if key not in self._drivers:
+            self._drivers[key] = driver_for(bind, self.job_model.__table__, self.dead_model.__table__)  # type: ignore[attr-defined]
+        return self._drivers[key]
 
     def create_tables(self, engine: Engine) -> None:
         """Create the two tables (and their PostgreSQL schema) and their indexes if missing; for apps without alembic.
@@ -200,12 +201,12 @@ class JobQueue(Generic[J, D]):
         sqla-jobs needs a migration (see docs/howto/migrations.md).
         """
         with engine.begin() as conn:
-            self.sql(conn).create(conn)
-        self.sql(engine).prepare(engine)
+            self.driver(conn).create(conn)
+        self.driver(engine).prepare(engine)
 
     def check_schema(self, engine: Engine) -> None:
         with engine.connect() as conn:
-            self.sql(conn).check_schema(conn)
+            self.driver(conn).check_schema(conn)
 
     # -- admin, in the caller's transaction -----------------------------------------
 
@@ -231,7 +232,7 @@ class JobQueue(Generic[J, D]):
             rows.append(row)
         session.flush()  # keep the order of jobs added earlier in this session
         conn = session.connection()
-        self.sql(conn).insert_many(conn, rows)
+        self.driver(conn).insert_many(conn, rows)
         return len(rows)
 
     def requeue_dead(
@@ -245,7 +246,7 @@ class JobQueue(Generic[J, D]):
         if ids is None and kind is None and not everything:
             raise ConfigError("requeue_dead needs ids=, kind= or everything=True")
         conn = session.connection()
-        moved = self.sql(conn).requeue_dead(conn, ids=ids, kind=kind)
+        moved = self.driver(conn).requeue_dead(conn, ids=ids, kind=kind)
         if ids is not None:
             missing = sorted(set(ids) - set(moved))
             if missing:
@@ -259,17 +260,17 @@ class JobQueue(Generic[J, D]):
     ) -> QueueStats:
         """Queue length, oldest pending age, dead letters and run times; see ``sqla_jobs.stats``."""
         with _connection(bind) as conn:
-            return collect(self.sql(conn), conn, window, run_times=run_times)
+            return collect(self.driver(conn), conn, window, run_times=run_times)
 
     def get_job(self, session: Session, job_id: int) -> Any:
         """The job's row (all columns), or None. Reads the table, not the session's identity map."""
         conn = session.connection()
-        return self.sql(conn).get_job(conn, job_id)
+        return self.driver(conn).get_job(conn, job_id)
 
     def get_dead(self, session: Session, job_id: int) -> Any:
         """The dead job's row (all columns), or None."""
         conn = session.connection()
-        return self.sql(conn).get_dead(conn, job_id)
+        return self.driver(conn).get_dead(conn, job_id)
 
     def list_jobs(
         self,
@@ -284,14 +285,14 @@ class JobQueue(Generic[J, D]):
         if state is not None and state not in STATES:
             raise ConfigError(f"unknown state {state!r}; choose from {', '.join(STATES)}")
         conn = session.connection()
-        return self.sql(conn).list_jobs(conn, kind=kind, state=state, queue=queue, limit=limit)
+        return self.driver(conn).list_jobs(conn, kind=kind, state=state, queue=queue, limit=limit)
 
     def list_dead(
         self, session: Session, *, kind: str | None = None, since: float | None = None, limit: int = 50
     ) -> list[Any]:
         """Dead jobs, latest failure first; ``since``: only those that failed within that many seconds."""
         conn = session.connection()
-        return self.sql(conn).list_dead(conn, kind=kind, since=since, limit=limit)
+        return self.driver(conn).list_dead(conn, kind=kind, since=since, limit=limit)
 
     def cancel(self, session: Session, job_id: int) -> str:
         """Cancel a job, in the caller's transaction.
@@ -306,7 +307,7 @@ class JobQueue(Generic[J, D]):
         Raises NotFound, or JobStateError for a finished or cancelled job.
         """
         conn = session.connection()
-        changed, state = self.sql(conn).cancel(conn, job_id)
+        changed, state = self.driver(conn).cancel(conn, job_id)
         if state is None:
             raise NotFound(self._not_found(conn, job_id))
         if not changed:
@@ -316,7 +317,7 @@ class JobQueue(Generic[J, D]):
     def retry_now(self, session: Session, job_id: int) -> None:
         """Make a pending job (a retry in backoff, a delayed job) due now, in the caller's transaction."""
         conn = session.connection()
-        result = self.sql(conn).retry_now(conn, job_id)
+        result = self.driver(conn).retry_now(conn, job_id)
         if result is None:
             raise NotFound(self._not_found(conn, job_id))
         if result != "pending":
@@ -328,7 +329,7 @@ class JobQueue(Generic[J, D]):
         if older_than < 0:
             raise ConfigError("older_than must be >= 0 seconds")
         conn = session.connection()
-        return self.sql(conn).purge_dead(conn, older_than, kind)
+        return self.driver(conn).purge_dead(conn, older_than, kind)
 
     def prune(
         self, engine: Engine, *, older_than: float, batch_size: int = 1000, max_batches: int | None = None
@@ -343,13 +344,13 @@ class JobQueue(Generic[J, D]):
         """
         if older_than < 0 or batch_size < 1:
             raise ConfigError("prune needs older_than >= 0 seconds and batch_size >= 1")
-        sql = self.sql(engine)
+        driver = self.driver(engine)
         deleted = batches = 0
         while max_batches is None or batches < max_batches:
-            with sql.write(engine) as conn:
-                if not sql.prune_lock(conn):
+            with driver.write(engine) as conn:
+                if not driver.prune_lock(conn):
                     break
-                count = sql.prune_batch(conn, older_than, batch_size)
+                count = driver.prune_batch(conn, older_than, batch_size)
             deleted += count
             batches += 1
             if count < batch_size:
@@ -357,7 +358,7 @@ class JobQueue(Generic[J, D]):
         return deleted
 
     def _not_found(self, conn: Connection, job_id: int) -> str:
-        if self.sql(conn).get_dead(conn, job_id) is not None:
+        if self.driver(conn).get_dead(conn, job_id) is not None:
             return f"job {job_id} is in the dead-letter table: see `sqla-jobs dead show {job_id}`"
         return f"no job with id {job_id}"
 

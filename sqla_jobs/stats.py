@@ -31,16 +31,15 @@ docs/howto/monitoring.md for the measured cost on a million-row table.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sqlalchemy import Connection
 
+from .drivers.base import Driver, percentile
 from .durations import format_duration
 from .errors import ConfigError
-from .sql import SQL
 
 __all__ = ["DeadLetters", "QueueLength", "QueueStats", "RunTime", "collect", "percentile", "stats_tables"]
 
@@ -115,17 +114,7 @@ class QueueStats:
         return data
 
 
-def percentile(sorted_values: list[float], fraction: float) -> float:
-    """Linear interpolation between closest ranks: the same as PostgreSQL's ``percentile_cont``."""
-    if not sorted_values:
-        raise ValueError("percentile of no values")
-    position = fraction * (len(sorted_values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
-def collect(sql: SQL, conn: Connection, window: float = DEFAULT_WINDOW, *, run_times: bool = True) -> QueueStats:
+def collect(sql: Driver, conn: Connection, window: float = DEFAULT_WINDOW, *, run_times: bool = True) -> QueueStats:
     """Read the figures in one read-only pass. ``run_times=False`` skips the window's run
     times and throughput (what a frequent Prometheus scrape needs is only the cheap counts)."""
     if window <= 0:
@@ -155,25 +144,10 @@ def collect(sql: SQL, conn: Connection, window: float = DEFAULT_WINDOW, *, run_t
     )
 
 
-def _run_times(sql: SQL, conn: Connection, window: float) -> list[RunTime]:
+def _run_times(sql: Driver, conn: Connection, window: float) -> list[RunTime]:
     minutes = window / 60.0
-    rows = sql.run_times(conn, window)
-    if sql.postgres:
-        return [
-            RunTime(r.kind, r.count, float(r.mean), float(r.p50), float(r.p95), float(r.max), r.count / minutes)
-            for r in rows
-        ]
-    by_kind: dict[str, list[float]] = defaultdict(list)
-    for r in rows:
-        by_kind[r.kind].append(max(0.0, float(r.seconds)))
-    result = []
-    for kind in sorted(by_kind):
-        values = sorted(by_kind[kind])
-        result.append(
-            RunTime(kind, len(values), sum(values) / len(values), percentile(values, 0.5),
-                    percentile(values, 0.95), values[-1], len(values) / minutes)
-        )
-    return result
+    return [RunTime(kind, count, mean, p50, p95, top, count / minutes)
+            for kind, count, mean, p50, p95, top in sql.run_times(conn, window)]
 
 
 def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:

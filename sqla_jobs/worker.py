@@ -16,7 +16,7 @@ run user code. The control loop, on each turn:
 3. writes failures, snoozes and cancels one by one (retry with backoff, or
    dead-letter on the last attempt);
 4. in one round trip, marks the batch of successful runs finished and claims
-   jobs for the free threads (``SQL.finish_and_claim``); successes wait up to
+   jobs for the free threads (``Driver.finish_and_claim``); successes wait up to
    ``flush_interval`` to be batched, and a claim waits until half the threads
    are free, unless the worker is idle; a job whose last worker was lost
    runs alone (claimed only by an idle worker, which then claims nothing
@@ -26,7 +26,7 @@ run user code. The control loop, on each turn:
 
 A database error on any step is logged and retried: at once after a lost
 connection while the server answers (at most half a second apart while it does
-not; see ``connection.retry_pause``), with backoff after any other error. Outcomes
+not; see ``_reconnect.retry_pause``), with backoff after any other error. Outcomes
 not yet written stay in memory and are written after reconnecting. They are
 fenced by the claim token, so if the lease ran out meanwhile and another
 worker took the job, the stale result is discarded and logged, never applied.
@@ -66,13 +66,13 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
-from .connection import harden, retry_pause
+from ._reconnect import retry_pause
 from .context import JobContext, _current
+from .drivers.base import Claimed, Driver, Fence
 from .errors import ConfigError, JobCancel, JobSnooze
 from .lost import hand_back
 from .outage import database_key, watch
 from .queue import JobEvent, JobQueue
-from .sql import SQL, Claimed, Fence
 
 __all__ = ["Worker"]
 
@@ -155,7 +155,7 @@ class Worker:
             raise ConfigError(f"heartbeat ({self.heartbeat}s) must be > 0 and at most lease / 3 ({lease / 3:g}s)")
         self.engine = engine
         self.queue = queue
-        self.sql: SQL = queue.sql(engine)
+        self.sql: Driver = queue.driver(engine)
         self.concurrency = concurrency
         self.queues = queues or None
         self.lease = lease
@@ -163,14 +163,14 @@ class Worker:
         self.grace = grace
         self.batch_size = batch_size
         self.flush_interval = flush_interval
-        self.listen = listen and self.sql.postgres and engine.dialect.driver == "psycopg"
+        self.listen = listen and self.sql.supports_listen
         self.name = name or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         if prune_after is not None and prune_after < 0:
             raise ConfigError("prune_after must be >= 0 seconds (or None to keep finished jobs)")
         #: Delete finished/cancelled jobs older than this many seconds (see _maybe_prune).
         self.prune_after = prune_after
         self._next_prune = 0.0
-        harden(engine, self.name)  # keepalives, timeouts, application_name: see connection.py
+        self.sql.harden(engine, self.name)  # keepalives, timeouts, application_name: see the driver
 
         self._wake = threading.Event()
         self._todo: stdlib_queue.SimpleQueue[Claimed | None] = stdlib_queue.SimpleQueue()
@@ -260,7 +260,7 @@ class Worker:
                     db_failures = 0
                 except (OperationalError, DBAPIError, PoolTimeout) as exc:  # PoolTimeout: handlers hold the pool
                     db_failures += 1
-                    pause = retry_pause(self.engine, exc, db_failures)
+                    pause = retry_pause(self.sql, self.engine, exc, db_failures)
                     db_retry_at = time.monotonic() + pause
                     if db_failures <= 5 or db_failures % 60 == 0:  # a long outage: not one line per second
                         log.warning("worker %s: database error, retrying in %.1fs: %s",
@@ -291,9 +291,9 @@ class Worker:
         On PostgreSQL the control thread keeps one connection in autocommit
         mode: each of these writes is one fenced statement, atomic on its own,
         so a BEGIN and a COMMIT round trip per write would buy nothing. Writes
-        of several statements (dead-lettering, the reaper) use ``SQL.write``.
+        of several statements (dead-lettering, the reaper) use ``Driver.write``.
         """
-        if not self.sql.postgres:
+        if not self.sql.hot_connection_autocommit:
             with self.sql.write(self.engine) as conn:
                 yield conn
             return

@@ -28,6 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+#: Every backend the suite runs on, by SQLAlchemy dialect name: the ``db`` fixture and the driver
+#: conformance suite (tests/drivers/) run once per name. A new backend adds its name here and a
+#: branch to ``make_database``; tests/drivers/ checks that every registered driver is listed.
+BACKENDS = ("sqlite", "postgresql")
+
 
 def _pg_available() -> str | None:
     try:
@@ -86,7 +91,7 @@ def make_database(backend: str, tmp_path: Path) -> Iterator[Database]:
         admin.dispose()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=BACKENDS)
 def db(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Database]:
     """An empty database with the test app's tables, on each backend."""
     for database in make_database(request.param, tmp_path):

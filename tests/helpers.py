@@ -57,7 +57,7 @@ def effects(engine: Engine, job_id: int | None = None) -> list[tuple[int, int, s
 def db_now(engine: Engine) -> datetime:
     """The database clock, as an aware UTC datetime (the clock the worker schedules with)."""
     with engine.connect() as conn:
-        return utc(conn.scalar(select(app.queue.sql(conn).now())))
+        return utc(conn.scalar(select(app.queue.driver(conn).now())))
 
 
 def utc(value: datetime | None) -> datetime:

@@ -9,14 +9,14 @@ from datetime import datetime, timedelta, timezone
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from sqla_jobs.sql import Claimed
+from sqla_jobs.drivers.base import Claimed
 from tests import app
 from tests.conftest import Database
 from tests.helpers import count, enqueue
 
 
 def claim(db: Database, limit: int, queues: list[str] | None = None) -> list[Claimed]:
-    sql = app.queue.sql(db.engine)
+    sql = app.queue.driver(db.engine)
     with sql.write(db.engine) as conn:
         return sql.claim(conn, limit, "test-worker", uuid.uuid4().hex, 60.0, queues)
 

@@ -27,7 +27,7 @@ def mark(db: Database, *ids: int) -> None:
 
 
 def claim(db: Database, limit: int, *, alone: bool, fences: list[tuple[int, str]] | None = None) -> Any:
-    sql = app.queue.sql(db.engine)
+    sql = app.queue.driver(db.engine)
     with sql.write(db.engine) as conn:
         return sql.finish_and_claim(conn, fences or [], limit, "w", uuid.uuid4().hex, 60.0, None, alone=alone)
 
@@ -70,7 +70,7 @@ def test_an_idle_claim_takes_the_most_urgent_isolated_job_and_nothing_else(db: D
 
 
 def test_the_mark_is_cleared_when_the_run_ends_and_kept_on_a_give_back(db: Database) -> None:
-    sql = app.queue.sql(db.engine)
+    sql = app.queue.driver(db.engine)
     retried, given_back = enqueue(db.engine, "noop"), enqueue(db.engine, "noop")
     mark(db, retried, given_back)
     _, [a], _ = claim(db, 1, alone=True)
@@ -87,7 +87,7 @@ def test_the_mark_is_cleared_when_the_run_ends_and_kept_on_a_give_back(db: Datab
 def test_the_reaper_marks_lost_jobs(db: Database) -> None:
     from sqla_jobs.lost import hand_back
 
-    sql = app.queue.sql(db.engine)
+    sql = app.queue.driver(db.engine)
     job_id = enqueue(db.engine, "noop")
     assert len(claim(db, 1, alone=False)[1]) == 1
     assert hand_back(app.queue, db.engine, sql, lambda conn: sql.held_by(conn, "w"), "worker {row.locked_by} died") == 1
@@ -103,7 +103,7 @@ def test_the_ordinary_claim_keeps_its_index_plan(pg: Database) -> None:
     with Session(pg.engine) as session, session.begin():
         app.queue.enqueue_many(session, [{"kind": "noop"} for _ in range(20_000)])
     mark(pg, 5, 7)
-    sql = app.queue.sql(pg.engine)
+    sql = app.queue.driver(pg.engine)
     with pg.engine.connect() as conn:
         conn.execute(text("ANALYZE jobs"))
         params = {"fences": "", "limit": 4, "worker": "w", "token": "t", "lease": 60.0, "queues": [],

@@ -259,7 +259,7 @@ def test_only_one_process_prunes_at_a_time_on_postgres(pg: Database) -> None:
     queue.create_tables(pg.engine)
     now = db_now(pg.engine)
     add_jobs(pg.engine, [finished(now, "noop", 1, 86400) for _ in range(10)])
-    sql = queue.sql(pg.engine)
+    sql = queue.driver(pg.engine)
     with pg.engine.connect() as holder:
         assert sql.prune_lock(holder)  # another "worker" is pruning
         assert queue.prune(pg.engine, older_than=60) == 0

@@ -15,6 +15,7 @@ PUBLIC = [
     "MAX_PAYLOAD_DEPTH",
     "Backoff",
     "ConfigError",
+    "ConnectionProblem",
     "DeadJobMixin",
     "InvalidJob",
     "JobCancel",

@@ -20,7 +20,7 @@ from tests.conftest import Database
 def db_now(engine: Engine) -> datetime:
     """The database clock, as an aware UTC datetime."""
     with engine.connect() as conn:
-        now = conn.execute(select(queue.sql(conn).now())).scalar()
+        now = conn.execute(select(queue.driver(conn).now())).scalar()
     assert isinstance(now, datetime)
     return now if now.tzinfo else now.replace(tzinfo=timezone.utc)
 
@@ -155,10 +155,8 @@ def test_stats_queries_can_use_the_partial_indexes(pg: Database) -> None:
     That proves each WHERE clause implies the index's predicate; on a big
     table the planner then picks the index by itself (see docs/howto/monitoring.md).
     """
-    from sqla_jobs.sql import SQL
-
     queue.create_tables(pg.engine)
-    sql = SQL(Job.__table__, DeadJob.__table__, "postgresql")
+    sql = queue.driver(pg.engine)
     with pg.engine.connect() as conn:
         conn.execute(text("SET enable_seqscan = off"))
         captured: list[Any] = []

@@ -69,7 +69,7 @@ def test_create_tables_adds_a_missing_trigger_and_the_worker_says_when_it_is_mis
     pg: Database, caplog: pytest.LogCaptureFixture
 ) -> None:
     app.queue.create_tables(pg.engine)
-    sql = app.queue.sql(pg.engine)
+    sql = app.queue.driver(pg.engine)
     with pg.engine.begin() as conn:
         conn.execute(text("DROP TRIGGER jobs_notify ON jobs"))
         assert not sql.has_notify_trigger(conn)

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, make_url, text, update
 
 from sqla_jobs import Worker
-from sqla_jobs.connection import SERVER_SIDE
+from sqla_jobs.drivers.pg_keepalive import SERVER_SIDE
 from tests import app
 from tests.conftest import Database
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 
 def claim_one(db: Database, lease: float = 60.0) -> tuple[int, str]:
-    sql = app.queue.sql(db.engine)
+    sql = app.queue.driver(db.engine)
     token = uuid.uuid4().hex
     with sql.write(db.engine) as conn:
         [claimed] = sql.claim(conn, 1, "test", token, lease, None)
@@ -33,7 +33,7 @@ def claim_one(db: Database, lease: float = 60.0) -> tuple[int, str]:
 
 def expire(db: Database, job_id: int) -> None:
     """Move a lease into the past with the database's own clock arithmetic."""
-    sql = app.queue.sql(db.engine)
+    sql = app.queue.driver(db.engine)
     with db.engine.begin() as conn:
         conn.execute(update(app.Job).where(app.Job.id == job_id).values(lease_expires_at=sql.later(-5)))
 
@@ -70,7 +70,7 @@ def test_stale_worker_result_is_discarded_not_applied(pg: Database, workers: Wor
 
 def stale_writes_change_nothing(db: Database, job_id: int, fence: tuple[int, str]) -> None:
     before = job(db.engine, job_id)
-    sql = app.queue.sql(db.engine)
+    sql = app.queue.driver(db.engine)
     with sql.write(db.engine) as conn:
         assert sql.finish(conn, [fence]) == set()
         assert sql.heartbeat(conn, [fence], 60) == set()
@@ -110,7 +110,7 @@ def test_reaper_never_touches_a_live_lease(db: Database) -> None:
     expire(db, job_id)
     Worker(db.engine, app.queue)._reap()
     assert "WorkerLost" in dead(db.engine, job_id).last_error, "last attempt lost: dead-lettered, not re-run"
-    sql = app.queue.sql(db.engine)
+    sql = app.queue.driver(db.engine)
     with sql.write(db.engine) as conn:
         assert sql.finish(conn, [fence]) == set()
     check_invariants(db.engine, [job_id])
@@ -118,7 +118,7 @@ def test_reaper_never_touches_a_live_lease(db: Database) -> None:
 
 def test_reaper_racing_a_completion_only_one_wins(pg: Database) -> None:
     """Both orders, with real row locks held open: the loser's write changes nothing."""
-    sql = app.queue.sql(pg.engine)
+    sql = app.queue.driver(pg.engine)
     # 1. The completion holds the row: the reaper skips it; the completion commits.
     [first] = enqueue(pg.engine, "noop")
     fence = claim_one(pg)

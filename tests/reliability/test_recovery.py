@@ -20,7 +20,8 @@ from sqlalchemy import Connection, Engine, create_engine, make_url, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
-from sqla_jobs.connection import database_answers, harden, is_disconnect
+from sqla_jobs._reconnect import database_answers
+from sqla_jobs.drivers.pg_keepalive import harden, is_disconnect
 from tests.conftest import Database
 
 from .cluster import PrivateCluster

@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sqlalchemy import delete, select, update
 
 from sqla_jobs import Worker
-from sqla_jobs.sql import Fence
+from sqla_jobs.drivers.base import Fence
 from tests import app
 from tests.conftest import Database
 
@@ -41,7 +41,7 @@ class Model:
 
 def make_machine(db: Database) -> type[RuleBasedStateMachine]:
     engine = db.engine
-    sql = app.queue.sql(engine)
+    sql = app.queue.driver(engine)
     jobs, dead = app.Job.__table__, app.DeadJob.__table__
 
     class QueueMachine(RuleBasedStateMachine):

@@ -37,8 +37,8 @@ has anything to read (one ``poll()`` system call, no round trip: an idle
 connection in a healthy session has nothing to say). Only if it has, a ping
 decides; a dead connection makes the pool discard every connection opened
 before it (SQLAlchemy's pool invalidation), so one cut costs one reconnect
-per connection, not one failed statement each. :func:`retry_pause` tells
-the worker's control loop when to try again: at once after a disconnect
+per connection, not one failed statement each. ``sqla_jobs._reconnect``
+tells the worker's control loop when to try again: at once after a disconnect
 while the server answers, with backoff after other errors.
 """
 
@@ -50,7 +50,7 @@ from typing import Any
 from sqlalchemy import Engine, event
 from sqlalchemy.exc import DBAPIError, InvalidatePoolError
 
-__all__ = ["DEFAULTS", "SERVER_SIDE", "database_answers", "harden", "is_disconnect", "retry_pause"]
+__all__ = ["DEFAULTS", "SERVER_SIDE", "check_alive", "harden", "is_disconnect"]
 
 DEFAULTS: dict[str, int] = {
     "connect_timeout": 10,
@@ -71,8 +71,8 @@ SERVER_SIDE: dict[str, int] = {
 
 
 def harden(engine: Engine, worker_name: str) -> None:
-    """Give ``engine``'s new psycopg connections the settings above (PostgreSQL only; no-op elsewhere)."""
-    if engine.dialect.name != "postgresql" or engine.dialect.driver != "psycopg":
+    """Give ``engine``'s new psycopg connections the settings above (the PostgreSQL driver calls it)."""
+    if engine.dialect.driver != "psycopg":
         return
     settings: dict[str, Any] = {**DEFAULTS, "application_name": f"sqla-jobs worker {worker_name}"[:63]}
 
@@ -127,35 +127,6 @@ def is_disconnect(exc: BaseException) -> bool:
         return state.startswith("08") or state in _GONE
     # psycopg is optional (SQLite users): compare class names, not classes.
     return any(cls.__name__ in ("OperationalError", "InterfaceError") for cls in type(orig).__mro__)
-
-
-def database_answers(engine: Engine) -> bool:
-    """Can a live connection be had (from the pool, checked as above, or a new one)?"""
-    try:
-        with engine.connect():
-            return True
-    except Exception:  # refused, starting up, timed out, pool exhausted: not now
-        return False
-
-
-def retry_pause(engine: Engine, exc: BaseException, failures: int) -> float:
-    """Seconds the worker waits before its next try, after ``failures`` database errors in a row.
-
-    A lost connection is no reason to wait. Every pooled connection opened
-    before it may be stale too (a server restart or a failover cut them all),
-    but a checkout never hands out one the server closed (:func:`check_alive`),
-    so if a connection can be had, the next try runs at once. Only while the
-    server does not answer does the worker wait, at most half a second between
-    tries, so it is back within half a second of the server (each try is one
-    refused connect: cheap for both). Other errors (a deadlock, a full pool)
-    back off exponentially, and so does a disconnect that keeps coming back
-    although the server answers.
-    """
-    if not is_disconnect(exc):
-        return min(30.0, 0.25 * 2 ** min(failures, 7))
-    if failures <= 3 and database_answers(engine):
-        return 0.0
-    return min(0.5, 0.125 * 2 ** min(failures, 2))
 
 
 def _has_input(dbapi_connection: Any) -> bool:

@@ -1,0 +1,104 @@
+"""From a ``module:attr`` and a database URL to a JobQueue and a working engine.
+
+One place for what the CLI, the alembic env helpers (``sqla_jobs.alembic``)
+and ``sqla-jobs bench`` all need: import the user's app, turn the URL into the
+engine sqla-jobs runs on (the backend's own DBAPI driver, see
+``drivers.normalise_url``), and size the pool for a worker. Errors are
+ConfigError / ConnectionProblem with one line that says what to change.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import sys
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, make_url, select
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
+
+from .drivers import normalise_url
+from .errors import ConfigError, ConnectionProblem
+from .queue import JobQueue
+
+__all__ = ["database_url", "load_app", "make_engine", "worker_pool_size"]
+
+
+def load_app(spec: str | None) -> JobQueue[Any, Any]:
+    """Import ``module:attr`` and check it is a JobQueue."""
+    if not spec:
+        raise ConfigError("no app given: pass --app module:attr (or set SQLA_JOBS_APP) naming your JobQueue")
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ConfigError(f"--app {spec!r} must look like 'package.module:queue'")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(
+            f"--app {spec!r}: cannot import {module_name!r} ({exc}); run from your project's directory "
+            "or add it to PYTHONPATH"
+        ) from None
+    except Exception as exc:  # the module itself is broken (SyntaxError, a failing import-time setting, ...)
+        raise ConfigError(
+            f"--app {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}; "
+            f"fix it, then check with: python -c 'import {module_name}'"
+        ) from None
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"--app {spec!r}: module {module_name!r} has no attribute {attr!r}") from None
+    if not isinstance(obj, JobQueue):
+        what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
+        raise ConfigError(f"--app {spec!r} is {what}, not a sqla_jobs.JobQueue; name your JobQueue instance")
+    return obj
+
+
+def worker_pool_size(concurrency: int) -> int:
+    """Connections a worker with ``concurrency`` threads may hold at once.
+
+    Transactional handlers each hold a connection while they run, plus the
+    control loop's and the listener's: the default pool (5 + 10) is too small
+    for a high concurrency, and its 30 s checkout timeout would fail long jobs.
+    """
+    return max(5, concurrency + 2)
+
+
+def database_url(raw: str | None) -> URL:
+    """``raw`` parsed, on the DBAPI driver sqla-jobs ships for its backend; ConfigError if it cannot be used."""
+    if not raw:
+        raise ConfigError("no database given: pass --url (or set SQLA_JOBS_URL), e.g. sqlite:///jobs.db")
+    try:
+        url: URL = make_url(raw)
+    except (ArgumentError, ValueError):  # ValueError: e.g. a port that is not a number
+        shown = re.sub(r"(://[^:/@]*:)[^@]*@", r"\1***@", raw)  # never echo a password
+        raise ConfigError(
+            f"--url {shown!r} is not a database URL; expected e.g. postgresql+psycopg://user@host/db "
+            "or sqlite:///path/to/jobs.db"
+        ) from None
+    try:
+        return normalise_url(url)
+    except ConfigError as exc:
+        raise ConfigError(f"--url: {exc}") from None
+
+
+def make_engine(raw: str | None, pool_size: int | None = None) -> Engine:
+    """An engine for ``--url`` that answered a ``SELECT 1``.
+
+    ``pool_size``: connections the caller may hold at once (a worker: ``worker_pool_size``).
+    """
+    url = database_url(raw)
+    try:
+        engine = create_engine(url, **({"pool_size": pool_size} if pool_size else {}))
+    except (NoSuchModuleError, ImportError) as exc:
+        raise ConfigError(f"--url {url.render_as_string()!r}: {exc}") from None
+    try:
+        with engine.connect() as conn:
+            conn.execute(select(1))
+    except DBAPIError as exc:
+        first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise ConnectionProblem(f"cannot reach the database at {url.render_as_string()}: {first}") from None
+    return engine

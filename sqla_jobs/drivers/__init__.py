@@ -1,0 +1,116 @@
+"""Database drivers: everything sqla-jobs does differently per database. Internal.
+
+This package is not public API: its classes and methods change with the
+package's needs, without deprecation. Applications use ``JobQueue``, ``Worker``
+and the CLI; those ask :func:`driver_for` for the driver of their database and
+never branch on a dialect name themselves (``tests/test_structure.py`` checks).
+
+A driver is one module that subclasses :class:`~sqla_jobs.drivers.base.Driver`
+and registers itself below. ``base.py`` (and ``_operations.py``) hold the
+statements every backend shares, as portable SQLAlchemy Core. A new backend
+must implement:
+
+* the database clock: ``now``, ``later``, ``seconds_between``;
+* ``claim``: take up to N due jobs in (priority desc, run_at, id) order without
+  two workers ever getting the same job, and return them in that order;
+  optionally ``finish_and_claim`` fused into one round trip;
+* ``errors_plus``: append one entry to the JSON ``errors`` column in SQL;
+* ``run_times``: count, mean, p50, p95, max of run times per kind;
+* ``reflect_indexes`` for the alembic comparator, and ``bench_scratch`` for
+  ``sqla-jobs bench``;
+
+and may override, where the database offers more: ``begin_write`` (take the
+write lock up front), ``skip_locked`` (pass over locked rows), ``prune_lock``,
+``insert_many`` (a bulk protocol; ``supports_copy``), ``notify`` /
+``has_notify_trigger`` / ``channel`` / ``attach_table_events`` /
+``wake_trigger_migration`` (wake-ups; ``supports_listen``), ``harden``
+(keepalives), ``normalise_url`` (the DBAPI driver sqla-jobs ships),
+``hot_connection_autocommit``, ``create``, ``prepare``, ``index_names``.
+
+A backend is done when ``tests/drivers/`` (the conformance suite) passes
+unchanged with its name added to the backend list in ``tests/conftest.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, Engine, Table
+from sqlalchemy.engine import URL
+
+from ..errors import ConfigError
+from .base import Driver
+from .postgresql import PostgreSQLDriver
+from .sqlite import SQLiteDriver
+
+__all__ = [
+    "Driver",
+    "attach_table_events",
+    "driver_class",
+    "driver_class_of",
+    "driver_for",
+    "normalise_url",
+    "register",
+    "registered",
+]
+
+_DRIVERS: dict[str, type[Driver]] = {}
+
+
+def register(driver: type[Driver]) -> type[Driver]:
+    """Make ``driver`` the one for its dialect name (usable as a class decorator)."""
+    if not driver.name:
+        raise ValueError(f"{driver.__name__} has no dialect name")
+    _DRIVERS[driver.name] = driver
+    return driver
+
+
+def registered() -> tuple[type[Driver], ...]:
+    """Every registered driver class, in registration order."""
+    return tuple(_DRIVERS.values())
+
+
+def _supported() -> str:
+    labels = [d.label or d.name for d in _DRIVERS.values()]
+    return labels[0] if len(labels) == 1 else f"{', '.join(labels[:-1])} and {labels[-1]}"
+
+
+def driver_class(dialect_name: str) -> type[Driver]:
+    """The driver class for a SQLAlchemy dialect name; ConfigError naming the supported ones otherwise."""
+    try:
+        return _DRIVERS[dialect_name]
+    except KeyError:
+        raise ConfigError(f"sqla-jobs supports {_supported()}, not {dialect_name!r}") from None
+
+
+def driver_class_of(bind: Any) -> type[Driver]:
+    """The driver class for an Engine, Connection or Dialect (see :func:`driver_class`)."""
+    dialect = getattr(bind, "dialect", bind)
+    return driver_class(dialect.name)
+
+
+def driver_for(bind: Engine | Connection | str, jobs: Table, dead: Table) -> Driver:
+    """A driver for ``jobs`` and ``dead`` on the database of ``bind`` (or a dialect name)."""
+    if isinstance(bind, str):
+        return driver_class(bind)(jobs, dead)
+    dialect: Any = bind.dialect
+    return driver_class(dialect.name)(jobs, dead, dialect.driver)
+
+
+def normalise_url(url: URL) -> URL:
+    """``url`` with the DBAPI driver sqla-jobs ships for its backend; ConfigError for an unsupported one."""
+    backend = url.get_backend_name()
+    for driver in _DRIVERS.values():
+        if backend in driver.url_aliases:
+            return driver.normalise_url(url)
+    return driver_class(backend).normalise_url(url)
+
+
+def attach_table_events(table: Table) -> None:
+    """Let every backend hook the DDL it adds after ``CREATE TABLE`` of a jobs table."""
+    for driver in _DRIVERS.values():
+        driver.attach_table_events(table)
+
+
+register(PostgreSQLDriver)
+register(SQLiteDriver)

@@ -1,0 +1,459 @@
+"""The statements every backend shares, written once with SQLAlchemy Core.
+
+A backend module subclasses :class:`Driver` and fills in what its database
+does differently (see the package docstring for the list). Everything here is
+portable Core against the user's own tables, so custom table names and
+schemas need no special case.
+
+Two rules hold for every write a worker makes after claiming:
+
+* it is *fenced*: it names both the job id and the claim token it got at
+  claim time, and the ``state = 'running'`` it expects, so a worker that lost
+  its claim (lease expired, job re-claimed elsewhere) changes nothing;
+* time comes from the database clock (:meth:`Driver.now`), never from the
+  worker's, so lease arithmetic is right even when hosts disagree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    Connection,
+    Engine,
+    Select,
+    Table,
+    Text,
+    and_,
+    bindparam,
+    case,
+    delete,
+    insert,
+    inspect,
+    literal,
+    select,
+    tuple_,
+    update,
+)
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.schema import CreateIndex
+from sqlalchemy.sql.elements import ColumnElement
+
+from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
+
+__all__ = ["MAX_ERROR_LENGTH", "Claimed", "Driver", "Fence", "IndexDefinition", "percentile", "truncate"]
+
+Fence = tuple[int, str]  # (job id, claim token)
+
+
+@dataclass(slots=True)  # not frozen: frozen dataclasses are several times slower to build
+class Claimed:
+    """What a worker needs from a freshly claimed row."""
+
+    id: int
+    kind: str
+    queue: str
+    payload: dict[str, Any]
+    attempt: int
+    max_attempts: int
+    priority: int
+    token: str
+    #: Its last worker was lost while it ran: the worker runs it alone (see docs/guarantees.md).
+    isolated: bool = False
+
+    @property
+    def fence(self) -> Fence:
+        return (self.id, self.token)
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    """Linear interpolation between closest ranks: the same as PostgreSQL's ``percentile_cont``."""
+    if not sorted_values:
+        raise ValueError("percentile of no values")
+    position = fraction * (len(sorted_values) - 1)
+    low = math.floor(position)
+    high = min(low + 1, len(sorted_values) - 1)
+    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
+
+
+#: What a backend's index reflection gives the alembic comparator: unique, elements (``"priority DESC"``),
+#: predicate as SQL text; None for an index that exists but whose definition cannot be read.
+IndexDefinition = tuple[bool, tuple[str, ...], "str | None"]
+
+
+class Driver(Operations):
+    """The statements for one pair of tables on one backend.
+
+    Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
+    implement the abstract methods; capability properties default to the
+    plainest backend (no LISTEN, no COPY, every write in a transaction).
+    """
+
+    name: ClassVar[str] = ""
+    label: ClassVar[str] = ""
+    #: Other backend names a URL may use for this database (``postgres://``).
+    url_aliases: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
+        self.jobs = jobs
+        self.dead = dead
+        #: The DBAPI module's name as SQLAlchemy knows it (``psycopg``, ``pysqlite``), when known.
+        self.dbapi = dbapi
+
+    # -- capabilities ----------------------------------------------------------
+
+    @property
+    def supports_listen(self) -> bool:
+        """Workers can wait for new jobs on a notification channel instead of polling."""
+        return False
+
+    @property
+    def supports_copy(self) -> bool:
+        """``insert_many`` streams rows with a bulk-load protocol."""
+        return False
+
+    @property
+    def hot_connection_autocommit(self) -> bool:
+        """Single-statement worker writes may run on one long-lived autocommit connection."""
+        return False
+
+    @property
+    def channel(self) -> str:
+        """The notification channel of the jobs table ("" where there is none)."""
+        return ""
+
+    # -- class level: URLs, engines, tables ---------------------------------------
+
+    @classmethod
+    def normalise_url(cls, url: URL) -> URL:
+        """The URL with the DBAPI driver sqla-jobs ships for this backend."""
+        return url
+
+    @classmethod
+    def attach_table_events(cls, table: Table) -> None:
+        """Hook DDL that must follow ``CREATE TABLE`` of a jobs table (e.g. a wake-up trigger)."""
+
+    @classmethod
+    def wake_trigger_migration(cls, table: Table) -> tuple[str, str, str] | None:
+        """Alembic upgrade and downgrade code for this backend's wake-up trigger and a one-line summary,
+        or None (it has none).
+
+        The code guards itself on the dialect, so one revision serves every backend.
+        """
+        return None
+
+    @classmethod
+    def creates_schemas(cls) -> bool:
+        """Whether a table's ``schema`` is a namespace to create (False: an attached database, say)."""
+        return False
+
+    @classmethod
+    def reflect_indexes(cls, conn: Connection, schema: str | None, table: str) -> dict[str, IndexDefinition | None]:
+        """The indexes of ``table`` as the database has them, for the alembic comparator."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_reflected_table(cls, conn: Connection, schema: str | None, table: Table) -> None:
+        """Log what alembic cannot restore about ``table`` as the database has it (nothing by default)."""
+
+    @classmethod
+    @contextmanager
+    def bench_scratch(cls, url: URL) -> Iterator[URL]:
+        """A URL whose tables are the bench's own, removed afterwards."""
+        raise NotImplementedError
+        yield url  # pragma: no cover
+
+    def harden(self, engine: Engine, worker_name: str) -> None:
+        """Make ``engine``'s connections notice a dead network (nothing by default)."""
+
+    def is_disconnect(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection (or the server) is gone, not that a statement failed."""
+        return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+    def bench_fill_finished(self, conn: Connection, rows: int) -> None:
+        """Insert ``rows`` old finished jobs, as an unpruned queue has (the bench's background)."""
+        conn.execute(insert(self.jobs), [{"kind": "noop", "payload": {}, "state": "finished", "attempts": 1}] * rows)
+
+    # -- time -------------------------------------------------------------------
+
+    def now(self) -> ColumnElement[datetime]:
+        """The database clock."""
+        raise NotImplementedError
+
+    def later(self, seconds: float) -> ColumnElement[datetime]:
+        """The database clock plus ``seconds`` (may be negative)."""
+        raise NotImplementedError
+
+    def ago(self, seconds: float) -> ColumnElement[datetime]:
+        """The database clock ``seconds`` ago."""
+        return self.later(-seconds)
+
+    def seconds_between(self, later: Any, earlier: Any) -> ColumnElement[float]:
+        """``later - earlier`` in seconds, as a float, computed by the database."""
+        raise NotImplementedError
+
+    # -- transactions and schema ------------------------------------------------
+
+    @contextmanager
+    def write(self, engine: Engine) -> Iterator[Connection]:
+        """A short write transaction (see :meth:`begin_write`)."""
+        with engine.connect() as conn:
+            self.begin_write(conn)
+            try:
+                yield conn
+            except BaseException:
+                conn.rollback()
+                raise
+            conn.commit()
+
+    def begin_write(self, conn: Connection) -> None:
+        """Start a write transaction the backend needs started specially (nothing by default)."""
+
+    def prepare(self, engine: Engine) -> None:
+        """One-time settings before a worker starts (nothing by default)."""
+
+    def create(self, conn: Connection) -> None:
+        """Create what is missing: both tables and their indexes (and whatever the backend adds).
+
+        Tables made by an older sqla-jobs get the indexes added since; their
+        columns are left alone (that takes a migration).
+        """
+        for table in (self.jobs, self.dead):
+            table.create(conn, checkfirst=True)
+            for index in table.indexes:
+                conn.execute(CreateIndex(index, if_not_exists=True))
+
+    def has_notify_trigger(self, conn: Connection) -> bool:
+        """Whether inserts into the jobs table wake workers (False where workers always poll)."""
+        return False
+
+    def notify(self, conn: Connection) -> None:
+        """Wake the workers waiting on the jobs table when this transaction commits (where they wait)."""
+
+    def index_names(self, conn: Connection) -> set[str]:
+        """The names of the jobs table's indexes in the database."""
+        t = self.jobs
+        return {ix["name"] for ix in inspect(conn).get_indexes(t.name, schema=t.schema) if ix["name"]}
+
+    # -- the worker's path -----------------------------------------------------
+
+    def claim(
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        *,
+        alone: bool = False,
+    ) -> list[Claimed]:
+        """Claim up to ``limit`` due jobs, returned in claim order (most urgent, then oldest, first).
+
+        Isolated jobs follow ``finish_and_claim``'s rule.
+        """
+        return self.claim_batch(conn, limit, worker, token, lease, queues, alone)[0]
+
+    def claim_batch(
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        alone: bool,
+    ) -> tuple[list[Claimed], bool]:
+        """The claim itself: (claimed in claim order, isolated_waiting); see ``finish_and_claim``."""
+        raise NotImplementedError
+
+    def finish_and_claim(
+        self,
+        conn: Connection,
+        fences: Sequence[Fence],
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        *,
+        alone: bool = False,
+    ) -> tuple[set[int], list[Claimed], bool]:
+        """Mark ``fences`` finished and claim up to ``limit`` due jobs.
+
+        Returns (finished ids, claimed, isolated_waiting). The worker's hot path;
+        by default a few statements in the caller's transaction. Jobs marked
+        ``isolate`` are claimed only with ``alone`` (the worker runs nothing), one
+        at a time and with nothing else; ``isolated_waiting`` says such a job was
+        among the most urgent ``limit`` and was left, so the worker should drain
+        and claim alone.
+        """
+        claimed, waiting = self.claim_batch(conn, limit, worker, token, lease, queues, alone)
+        return self.finish(conn, fences), claimed, waiting
+
+    def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        """Insert validated rows (payload already JSON text) in the caller's transaction.
+
+        Rows without ``run_at`` get the database clock, like ``Job(...)`` does.
+        """
+        for columns, batch in self._insert_batches(rows):
+            # The payload is bound as text: it is JSON already, no second encoding.
+            stmt = insert(self.jobs).values(payload=bindparam("payload", type_=Text()))
+            conn.execute(stmt, [{c: r[c] for c in columns} for r in batch])
+
+    @staticmethod
+    def _insert_batches(rows: list[dict[str, Any]]) -> Iterator[tuple[list[str], list[dict[str, Any]]]]:
+        for timed in (False, True):
+            batch = [r for r in rows if (r["run_at"] is not None) is timed]
+            if batch:
+                yield ["kind", "queue", "payload", "priority", "max_attempts"] + (["run_at"] if timed else []), batch
+
+    def fenced(self, fences: Iterable[Fence]) -> ColumnElement[bool]:
+        t = self.jobs
+        return and_(tuple_(t.c.id, t.c.claim_token).in_(list(fences)), t.c.state == "running")
+
+    def skip_locked(self, stmt: Select[Any]) -> Select[Any]:
+        """``stmt`` made to pass over rows other sessions hold locked (as is, where rows are not locked)."""
+        return stmt
+
+    def heartbeat(self, conn: Connection, fences: Sequence[Fence], lease: float) -> set[Fence]:
+        """Extend the leases still held; returns those (the rest were lost)."""
+        if not fences:
+            return set()
+        t = self.jobs
+        stmt = update(t).where(self.fenced(fences)).values(lease_expires_at=self.later(lease))
+        return {(r.id, r.claim_token) for r in conn.execute(stmt.returning(t.c.id, t.c.claim_token))}
+
+    def finish(self, conn: Connection, fences: Sequence[Fence]) -> set[int]:
+        """Mark jobs finished; returns the ids that were still ours."""
+        if not fences:
+            return set()
+        t = self.jobs
+        stmt = update(t).where(self.fenced(fences)).values(
+            state="finished", finished_at=self.now(), lease_expires_at=None
+        )
+        return set(conn.execute(stmt.returning(t.c.id)).scalars())
+
+    def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
+        """The ``errors`` column with ``entry`` appended, as an expression for an UPDATE."""
+        raise NotImplementedError
+
+    def release(
+        self,
+        conn: Connection,
+        fence: Fence,
+        *,
+        delay: float = 0.0,
+        error: str | None = None,
+        attempt: int | None = None,
+        refund: bool = False,
+        cancel: bool = False,
+        isolate: bool | None = False,
+    ) -> bool:
+        """Give a running job back: to ``pending`` after ``delay``, or ``cancelled``.
+
+        Used for retries (with ``error``), snoozes and shutdown give-backs
+        (``refund`` the attempt), and JobCancel (``cancel``). A job whose
+        cancellation was requested while it ran ends ``cancelled`` either way.
+        ``isolate``: its next run is alone in a worker process (True: its worker
+        was lost), or not (False: a run ended, so any mark is cleared); None
+        leaves the mark (a shutdown interrupted the run, it did not end it).
+        """
+        t = self.jobs
+        stopped = literal(cancel) | t.c.cancelled_at.is_not(None)
+        values: dict[str, Any] = {
+            "state": case((stopped, "cancelled"), else_="pending"),
+            "finished_at": case((stopped, self.now()), else_=None),
+            "run_at": self.later(delay) if delay else self.now(),
+            "claim_token": None,
+            "lease_expires_at": None,
+        }
+        if refund:
+            values["attempts"] = t.c.attempts - 1
+        if isolate is not None:
+            values["isolate"] = isolate
+        if error is not None:
+            message = truncate(error)
+            values["last_error"] = message
+            values["errors"] = self.errors_plus({"attempt": attempt, "at": utcnow(), "error": message})
+        stmt = update(t).where(self.fenced([fence])).values(**values)
+        return conn.execute(stmt).rowcount == 1
+
+    def give_back(self, conn: Connection, fences: Sequence[Fence]) -> int:
+        """Shutdown: unfinished jobs go back to pending now, the interrupted attempt refunded."""
+        given = sum(self.release(conn, fence, refund=True, isolate=None) for fence in fences)
+        if given:
+            self.notify(conn)  # an UPDATE fires no insert trigger: wake the other workers here
+        return given
+
+    def dead_letter(self, conn: Connection, fence: Fence, error: str) -> bool:
+        """Move a job that used its last attempt to the dead-letter table, in the caller's transaction."""
+        t = self.jobs
+        row = conn.execute(delete(t).where(self.fenced([fence])).returning(*t.c)).first()
+        if row is None:
+            return False
+        message = truncate(error)
+        errors = [*(row.errors or []), {"attempt": row.attempts, "at": utcnow(), "error": message}]
+        # A dead row with this id can only exist if ids were reused (a SQLite table rebuilt without
+        # AUTOINCREMENT). Failing here would retry forever; replace it, and keep a note of it.
+        d = self.dead
+        older = conn.execute(delete(d).where(d.c.id == row.id).returning(d.c.kind, d.c.last_error)).first()
+        if older is not None:
+            note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
+            errors.insert(0, {"attempt": None, "at": utcnow(), "error": truncate(note)})
+        columns = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at")
+        conn.execute(
+            insert(d).values(
+                **{c: getattr(row, c) for c in columns}, last_error=message, errors=errors, failed_at=self.now()
+            )
+        )
+        return True
+
+    def expired(self, conn: Connection, limit: int = 100) -> list[Any]:
+        """Running jobs whose lease ran out (their worker died or lost the database)."""
+        t = self.jobs
+        stmt = (
+            select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by,
+                   t.c.cancelled_at)
+            .where(t.c.state == "running", t.c.lease_expires_at < self.now())
+            .order_by(t.c.lease_expires_at)
+            .limit(limit)
+        )
+        return list(conn.execute(self.skip_locked(stmt)))
+
+    def held_by(self, conn: Connection, worker: str) -> list[Any]:
+        """Running jobs claimed by ``worker`` (its process is known dead), same columns as ``expired``.
+
+        Reads ``ix_<table>_running``. A row locked at this instant (the dead
+        process's last statement still being undone) is skipped: its lease covers it.
+        """
+        t = self.jobs
+        stmt = (
+            select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by,
+                   t.c.cancelled_at)
+            .where(t.c.state == "running", t.c.locked_by == worker)
+            .order_by(t.c.id)
+        )
+        return list(conn.execute(self.skip_locked(stmt)))
+
+    def cancel_requested(self, conn: Connection, fence: Fence) -> bool:
+        """Whether someone asked to cancel this (still ours) run while it ran."""
+        t = self.jobs
+        return bool(conn.execute(select(t.c.cancelled_at.is_not(None)).where(self.fenced([fence]))).scalar())
+
+    def finished_under(self, conn: Connection, fence: Fence) -> bool:
+        """Whether the job was finished under this claim (the finish keeps the claim token)."""
+        t = self.jobs
+        stmt = select(t.c.id).where(t.c.id == fence[0], t.c.claim_token == fence[1], t.c.state == "finished")
+        return conn.execute(stmt).first() is not None
+
+    def errors_of(self, conn: Connection, fence: Fence) -> list[dict[str, Any]]:
+        """The error history of this (still ours) run's job; empty if none or no longer ours."""
+        t = self.jobs
+        return list(conn.execute(select(t.c.errors).where(self.fenced([fence]))).scalar() or [])

@@ -1,0 +1,382 @@
+"""The PostgreSQL driver (psycopg 3).
+
+================  ===========================================================
+claim             a MATERIALIZED CTE with ``FOR UPDATE SKIP LOCKED``, fused
+                  with the previous batch's finish: one round trip per batch
+now / later       ``now()`` + interval
+append an error   ``errors || jsonb``
+wake-up           ``pg_notify`` at commit, a statement-level INSERT trigger
+insert_many       COPY
+prune lock        a transaction-level advisory lock
+keepalives        libpq and server-side TCP settings (``pg_keepalive.py``)
+================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import (
+    DDL,
+    Connection,
+    Engine,
+    Interval,
+    Select,
+    Table,
+    create_engine,
+    event,
+    func,
+    inspect,
+    literal,
+    select,
+    text,
+)
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.schema import CreateSchema
+from sqlalchemy.sql.elements import ColumnElement
+
+from . import pg_keepalive
+from .base import Claimed, Driver, Fence, IndexDefinition
+
+__all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_trigger_name"]
+
+
+def notify_channel(table: Table) -> str:
+    """The LISTEN/NOTIFY channel of one jobs table (PostgreSQL caps names at 63 bytes)."""
+    name = f"sqla_jobs.{table.schema}.{table.name}" if table.schema else f"sqla_jobs.{table.name}"
+    return name[:63]
+
+
+# The worker's hot path on PostgreSQL, written out so it is built once and is
+# one round trip. `done` finishes the last batch, fenced pair by pair (an
+# `id = ANY(ids) AND token = ANY(tokens)` test could match a job we re-claimed
+# under another token); the pairs travel as one "id:token,…" string because
+# the driver's array adaptation was a quarter of the worker's time. `due` is
+# MATERIALIZED so exactly `limit` rows are locked; `claimed` takes them, except
+# jobs marked `isolate` (their worker was lost while they ran): an idle worker
+# (`alone`) takes the most urgent of those and nothing else; a busy one leaves
+# them and learns of them from the rows with `claimed` NULL.
+_PG_FINISH_AND_CLAIM = """
+WITH done AS (
+    UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL
+    FROM (
+        SELECT split_part(pair, ':', 1)::bigint AS id, split_part(pair, ':', 2) AS token
+        FROM unnest(string_to_array(%(fences)s, ',')) AS pair
+    ) AS f
+    WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running'
+    RETURNING j.id
+), due AS MATERIALIZED (
+    SELECT id, isolate, priority, run_at FROM {table}
+    WHERE state = 'pending' AND run_at <= now() {queue_filter}
+    ORDER BY priority DESC, run_at, id
+    LIMIT %(limit)s
+    FOR UPDATE SKIP LOCKED
+), alone AS (
+    SELECT id FROM due WHERE isolate AND %(alone)s ORDER BY priority DESC, run_at, id LIMIT 1
+), claimed AS (
+    UPDATE {table} AS j
+    SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
+        claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
+    FROM due WHERE j.id = due.id
+        AND (due.id IN (SELECT id FROM alone) OR NOT (due.isolate OR EXISTS (SELECT FROM alone)))
+    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate
+)
+SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at, isolate FROM claimed
+UNION ALL
+SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
+UNION ALL
+SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
+WHERE isolate AND id NOT IN (SELECT id FROM alone)
+"""
+
+
+def _pg_name(table: Table) -> str:
+    """The table's name as PostgreSQL wants it in hand-written SQL: quoted where needed, with its schema."""
+    return str(postgresql.dialect().identifier_preparer.format_table(table))
+
+
+def notify_trigger_name(table: Table) -> str:
+    return f"{table.name}_notify"[:63]
+
+
+def notify_trigger_ddl(table: Table) -> tuple[str, str]:
+    """PostgreSQL DDL (create, drop) for the trigger that wakes workers on INSERT.
+
+    A statement-level AFTER INSERT trigger: one NOTIFY per INSERT or COPY,
+    delivered at commit, dropped on rollback, and no extra round trip for
+    the application that enqueues. It also fires for rows inserted by
+    plain SQL from other programs.
+    """
+    preparer = postgresql.dialect().identifier_preparer
+    target = _pg_name(table)
+    schema = f"{preparer.quote_schema(table.schema)}." if table.schema else ""
+    function = f"{schema}sqla_jobs_notify"
+    trigger = preparer.quote(notify_trigger_name(table))
+    channel = notify_channel(table).replace("'", "''")
+    create = (
+        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS "
+        "$$ BEGIN PERFORM pg_notify(TG_ARGV[0], ''); RETURN NULL; END $$;\n"
+        f"CREATE TRIGGER {trigger} AFTER INSERT ON {target} "
+        f"FOR EACH STATEMENT EXECUTE FUNCTION {function}('{channel}')"
+    )
+    drop = f"DROP TRIGGER IF EXISTS {trigger} ON {target}"
+    return create, drop
+
+
+class PostgreSQLDriver(Driver):
+    """PostgreSQL: see the module docstring."""
+
+    name = "postgresql"
+    label = "PostgreSQL"
+    url_aliases = ("postgres",)
+
+    def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
+        super().__init__(jobs, dead, dbapi)
+        self._channel = notify_channel(jobs)
+        self._pg_hot = {by_queue: _PG_FINISH_AND_CLAIM.format(
+            table=_pg_name(jobs), queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else ""
+        ) for by_queue in (False, True)}
+
+    @property
+    def supports_listen(self) -> bool:
+        return self.dbapi in (None, "psycopg")  # the listener uses psycopg's notifies()
+
+    @property
+    def supports_copy(self) -> bool:
+        return True
+
+    @property
+    def hot_connection_autocommit(self) -> bool:
+        # Each hot write is one fenced statement, atomic on its own: BEGIN and COMMIT would buy nothing.
+        return True
+
+    @property
+    def channel(self) -> str:
+        return self._channel
+
+    # -- class level ---------------------------------------------------------------
+
+    @classmethod
+    def normalise_url(cls, url: URL) -> URL:
+        if url.drivername in ("postgresql", "postgres"):
+            return url.set(drivername="postgresql+psycopg")  # psycopg 3 is our dependency, psycopg2 is not
+        return url
+
+    @classmethod
+    def attach_table_events(cls, table: Table) -> None:
+        create, _drop = notify_trigger_ddl(table)
+        event.listen(table, "after_create", DDL(create).execute_if(dialect=cls.name))
+
+    @classmethod
+    def wake_trigger_migration(cls, table: Table) -> tuple[str, str, str] | None:
+        create, drop = notify_trigger_ddl(table)
+        function, trigger = create.split(";\n")
+        guard = f'    if op.get_bind().dialect.name == "{cls.name}":\n'
+        upgrade = (guard + "        # wakes idle workers at commit (LISTEN/NOTIFY); see "
+                   "sqla_jobs.drivers.postgresql.notify_trigger_ddl\n"
+                   f"        op.execute({function!r})\n        op.execute({trigger!r})")
+        summary = f"create trigger {notify_trigger_name(table)} ({cls.label})"
+        return upgrade, guard + f"        op.execute({drop!r})", summary
+
+    @classmethod
+    def creates_schemas(cls) -> bool:
+        return True
+
+    @classmethod
+    def reflect_indexes(cls, conn: Connection, schema: str | None, table: str) -> dict[str, IndexDefinition | None]:
+        found: dict[str, IndexDefinition | None] = {}
+        for index in inspect(conn).get_indexes(table, schema=schema):
+            expressions = index.get("expressions") or index.get("column_names") or []
+            if any(e is None for e in expressions):
+                found[str(index["name"])] = None  # an expression this SQLAlchemy cannot reflect: it only exists
+                continue
+            sorting: dict[str, Any] = dict(index.get("column_sorting") or {})
+            elements = tuple(f"{e} DESC" if "desc" in sorting.get(e, ()) else str(e) for e in expressions)
+            where = (index.get("dialect_options") or {}).get("postgresql_where")
+            found[str(index["name"])] = (bool(index.get("unique")), elements, str(where) if where is not None else None)
+        return found
+
+    @classmethod
+    @contextmanager
+    def bench_scratch(cls, url: URL) -> Iterator[URL]:
+        schema = f"sqla_jobs_bench_{os.getpid()}"
+        admin = create_engine(url)
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        try:
+            yield url.update_query_dict({"options": f"-csearch_path={schema}"})
+        finally:
+            with admin.begin() as conn:
+                conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+            admin.dispose()
+
+    def bench_fill_finished(self, conn: Connection, rows: int) -> None:
+        conn.execute(text(
+            f"INSERT INTO {_pg_name(self.jobs)} (kind, queue, payload, state, attempts, locked_at, finished_at) "
+            "SELECT 'noop', 'default', '{}'::jsonb, 'finished', 1, now() - interval '1 day', "
+            "now() - interval '1 day' FROM generate_series(1, :n)"
+        ), {"n": rows})
+        conn.execute(text(f"ANALYZE {_pg_name(self.jobs)}"))
+
+    def harden(self, engine: Engine, worker_name: str) -> None:
+        pg_keepalive.harden(engine, worker_name)  # keepalives, timeouts, application_name
+
+    def is_disconnect(self, exc: BaseException) -> bool:
+        return pg_keepalive.is_disconnect(exc)
+
+    # -- time, schema, wake-up -------------------------------------------------------
+
+    def now(self) -> ColumnElement[datetime]:
+        return func.now()
+
+    def later(self, seconds: float) -> ColumnElement[datetime]:
+        return func.now() + literal(timedelta(seconds=seconds), Interval())
+
+    def seconds_between(self, later: Any, earlier: Any) -> ColumnElement[float]:
+        return func.extract("epoch", later - earlier)
+
+    def create(self, conn: Connection) -> None:
+        for schema in sorted({t.schema for t in (self.jobs, self.dead) if t.schema}):
+            conn.execute(CreateSchema(schema, if_not_exists=True))
+        super().create(conn)
+        if not self.has_notify_trigger(conn):
+            conn.execute(text(notify_trigger_ddl(self.jobs)[0]))
+
+    def has_notify_trigger(self, conn: Connection) -> bool:
+        found = conn.execute(
+            text("SELECT 1 FROM pg_trigger WHERE tgname = :name AND tgrelid = to_regclass(:target)"),
+            {"name": notify_trigger_name(self.jobs), "target": _pg_name(self.jobs)},
+        ).first()
+        return found is not None
+
+    def notify(self, conn: Connection) -> None:
+        conn.execute(select(func.pg_notify(self._channel, "")))
+
+    # -- the worker's path -----------------------------------------------------
+
+    def finish_and_claim(
+        self,
+        conn: Connection,
+        fences: Sequence[Fence],
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        *,
+        alone: bool = False,
+    ) -> tuple[set[int], list[Claimed], bool]:
+        return self._pg_finish_and_claim(conn, fences, limit, worker, token, lease, queues, ordered=False, alone=alone)
+
+    def _pg_finish_and_claim(
+        self,
+        conn: Connection,
+        fences: Sequence[Fence],
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        *,
+        ordered: bool,
+        alone: bool,
+    ) -> tuple[set[int], list[Claimed], bool]:
+        params = {
+            "fences": ",".join(f"{job_id}:{job_token}" for job_id, job_token in fences),
+            "limit": limit,
+            "worker": worker,
+            "token": token,
+            "lease": float(lease),
+            "queues": list(queues or ()),
+            "alone": alone,
+        }
+        # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
+        # result machinery was a fifth of the worker's time. Errors are wrapped
+        # back into SQLAlchemy's, which is what the worker's retry loop expects.
+        sql = self._pg_hot[bool(queues)]
+        if not conn.in_transaction():
+            # SQLAlchemy does not see what the driver cursor runs: without this its commit
+            # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
+            conn.begin()
+        try:
+            with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
+                cursor.execute(sql, params)
+                rows = cursor.fetchall()
+        except Exception as exc:
+            if isinstance(exc, conn.dialect.loaded_dbapi.Error):
+                raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
+            raise
+        finished = {r[1] for r in rows if r[0] is False}
+        claimed = [r for r in rows if r[0]]
+        waiting = any(r[0] is None for r in rows)  # an isolated job was left for an idle worker
+        if ordered:  # the worker does not need it: a batch never exceeds its free threads, all start at once
+            claimed.sort(key=lambda r: (-r[7], r[8], r[1]))
+        jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token, bool(r[9])) for r in claimed]
+        return finished, jobs, waiting
+
+    def claim_batch(
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        alone: bool,
+    ) -> tuple[list[Claimed], bool]:
+        # The worker's own statement, so what is tested is what runs.
+        _, jobs, waiting = self._pg_finish_and_claim(
+            conn, [], limit, worker, token, lease, queues, ordered=True, alone=alone
+        )
+        return jobs, waiting
+
+    def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
+        """COPY, the fastest way in."""
+        target = conn.dialect.identifier_preparer.format_table(self.jobs)
+        if not conn.in_transaction():
+            # SQLAlchemy does not see what the driver cursor runs: without this its commit would be a no-op.
+            conn.begin()
+        for columns, batch in self._insert_batches(rows):
+            cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
+            with cursor.copy(f"COPY {target} ({', '.join(columns)}) FROM STDIN") as copy:
+                for r in batch:
+                    copy.write_row([r[c] for c in columns])
+
+    def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
+        return text("COALESCE(errors, '[]'::jsonb) || jsonb_build_array(CAST(:entry AS jsonb))").bindparams(
+            entry=json.dumps(entry)
+        )
+
+    def skip_locked(self, stmt: Select[Any]) -> Select[Any]:
+        return stmt.with_for_update(skip_locked=True)
+
+    def prune_lock(self, conn: Connection) -> bool:
+        key = zlib.crc32(f"sqla_jobs.prune.{self.jobs.fullname}".encode())
+        return bool(conn.execute(select(func.pg_try_advisory_xact_lock(key))).scalar())
+
+    def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:
+        t = self.jobs
+        took = self.seconds_between(t.c.finished_at, t.c.locked_at)
+        stmt = (
+            select(
+                t.c.kind,
+                func.count().label("count"),
+                func.avg(took).label("mean"),
+                func.percentile_cont(0.5).within_group(took).label("p50"),
+                func.percentile_cont(0.95).within_group(took).label("p95"),
+                func.max(took).label("max"),
+            )
+            .where(self.recently_finished(window))
+            .group_by(t.c.kind)
+            .order_by(t.c.kind)
+        )
+        return [(r.kind, r.count, float(r.mean), float(r.p50), float(r.p95), float(r.max)) for r in conn.execute(stmt)]

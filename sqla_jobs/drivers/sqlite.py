@@ -1,0 +1,205 @@
+"""The SQLite driver (the standard library's sqlite3).
+
+================  ===========================================================
+claim             ``UPDATE … WHERE id IN (…)`` under ``BEGIN IMMEDIATE``: the
+                  database-wide write lock makes it atomic, no row locks
+now / later       ``strftime('%f', 'now', '+N seconds')`` in SQLAlchemy's text
+                  format, so comparisons as strings are right
+append an error   ``json_insert(errors, '$[#]', …)``
+wake-up           none: workers poll
+percentiles       computed in Python from one row per run
+================  ===========================================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Connection, DateTime, Engine, Table, func, select, text, type_coerce, update
+from sqlalchemy.engine import URL
+from sqlalchemy.sql.elements import ColumnElement
+
+from .base import Claimed, Driver, IndexDefinition, percentile
+
+__all__ = ["SQLiteDriver"]
+
+log = logging.getLogger("sqla_jobs")
+
+
+def _master(schema: str | None) -> str:
+    """SQLite's catalogue table of the main or an attached database."""
+    return f'"{schema}".sqlite_master' if schema else "sqlite_master"
+
+
+def _parse_create_index(sql: str) -> IndexDefinition | None:
+    """Parse SQLite's own copy of ``CREATE INDEX``: reflection drops DESC (and, in some versions, more)."""
+    head = re.match(r"\s*create\s+(unique\s+)?index\s.*?\son\s+[^(]+\(", sql, re.IGNORECASE | re.DOTALL)
+    if head is None:
+        return None
+    depth, start = 1, head.end()
+    for i in range(start, len(sql)):
+        depth += {"(": 1, ")": -1}.get(sql[i], 0)
+        if depth == 0:
+            break
+    else:
+        return None
+    elements = tuple(e.strip() for e in sql[start:i].split(","))  # no commas inside our index elements
+    rest = re.match(r"\s*where\s+(.*?)\s*$", sql[i + 1 :], re.IGNORECASE | re.DOTALL)
+    return bool(head.group(1)), elements, rest.group(1) if rest else None
+
+
+class SQLiteDriver(Driver):
+    """SQLite: see the module docstring."""
+
+    name = "sqlite"
+    label = "SQLite"
+
+    # -- class level ---------------------------------------------------------------
+
+    @classmethod
+    def index_sql(cls, conn: Connection, schema: str | None, table: str) -> dict[str, str | None]:
+        """Name and ``CREATE INDEX`` text of each index of ``table`` (None: an automatic index)."""
+        query = text(f"SELECT name, sql FROM {_master(schema)} WHERE type = 'index' AND tbl_name = :t")
+        return {r[0]: r[1] for r in conn.execute(query, {"t": table})}
+
+    @classmethod
+    def reflect_indexes(cls, conn: Connection, schema: str | None, table: str) -> dict[str, IndexDefinition | None]:
+        return {name: _parse_create_index(sql) for name, sql in cls.index_sql(conn, schema, table).items() if sql}
+
+    @classmethod
+    def check_reflected_table(cls, conn: Connection, schema: str | None, table: Table) -> None:
+        """alembic's batch mode rebuilds a table without AUTOINCREMENT; it has no operation to restore it."""
+        if not table.dialect_options["sqlite"].get("autoincrement"):
+            return
+        query = text(f"SELECT sql FROM {_master(schema)} WHERE type = 'table' AND name = :t")
+        created = conn.execute(query, {"t": table.name}).scalar() or ""
+        if "autoincrement" not in created.lower():
+            log.warning(
+                "table %s was created without AUTOINCREMENT (alembic's batch mode drops it when it rebuilds a "
+                "table): SQLite may reuse the id of a job that left the table, so requeueing its dead-letter copy "
+                "can fail; rebuild it with op.batch_alter_table(%r, recreate='always', "
+                "table_kwargs={'sqlite_autoincrement': True})",
+                table.name,
+                table.name,
+            )
+
+    @classmethod
+    @contextmanager
+    def bench_scratch(cls, url: URL) -> Iterator[URL]:
+        base = url.database if url.database not in (None, "", ":memory:") else None
+        folder = os.path.dirname(os.path.abspath(base)) if base else tempfile.gettempdir()
+        path = os.path.join(folder, f"sqla-jobs-bench-{os.getpid()}.db")
+        try:
+            yield url.set(database=path)
+        finally:
+            for suffix in ("", "-wal", "-shm"):
+                if os.path.exists(path + suffix):
+                    os.remove(path + suffix)
+
+    # -- time and transactions -------------------------------------------------------
+
+    def now(self) -> ColumnElement[datetime]:
+        # Same text format SQLAlchemy writes, so comparisons as strings are right.
+        return type_coerce(func.strftime("%Y-%m-%d %H:%M:%f000", "now"), DateTime(timezone=True))
+
+    def later(self, seconds: float) -> ColumnElement[datetime]:
+        return type_coerce(
+            func.strftime("%Y-%m-%d %H:%M:%f000", "now", f"{seconds:+.6f} seconds"),
+            DateTime(timezone=True),
+        )
+
+    def seconds_between(self, later: Any, earlier: Any) -> ColumnElement[float]:
+        return (func.julianday(later) - func.julianday(earlier)) * 86400.0
+
+    def begin_write(self, conn: Connection) -> None:
+        """Take the write lock now, waiting up to 30 s for it.
+
+        A deferred SQLite transaction that reads and then writes can fail with
+        SQLITE_BUSY when another process wrote in between; BEGIN IMMEDIATE
+        waits (busy_timeout) for the lock instead, so the claim is atomic.
+        """
+        conn.exec_driver_sql("PRAGMA busy_timeout = 30000")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    def prepare(self, engine: Engine) -> None:
+        """WAL lets SQLite readers and one writer work side by side."""
+        if engine.url.database not in (None, "", ":memory:"):
+            with engine.connect() as conn:
+                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+                conn.commit()
+
+    def index_names(self, conn: Connection) -> set[str]:
+        # Some SQLAlchemy versions leave SQLite expression indexes (the claim index) out of reflection.
+        return set(self.index_sql(conn, self.jobs.schema, self.jobs.name))
+
+    # -- the worker's path -----------------------------------------------------------
+
+    def claim_batch(
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        alone: bool,
+    ) -> tuple[list[Claimed], bool]:
+        """Under BEGIN IMMEDIATE: choose among the due window, then take the rows."""
+        if limit <= 0:
+            return [], False
+        t = self.jobs
+        due = select(t.c.id, t.c.isolate).where(t.c.state == "pending", t.c.run_at <= self.now())
+        if queues:
+            due = due.where(t.c.queue.in_(queues))
+        window = list(conn.execute(due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)))
+        isolated = [r.id for r in window if r.isolate]
+        if alone and isolated:
+            ids, waiting = isolated[:1], len(isolated) > 1  # the window is in claim order: the most urgent one
+        else:
+            ids, waiting = [r.id for r in window if not r.isolate], bool(isolated)
+        if not ids:
+            return [], waiting
+        stmt = update(t).values(
+            state="running",
+            attempts=t.c.attempts + 1,
+            locked_at=self.now(),
+            locked_by=worker,
+            claim_token=token,
+            lease_expires_at=self.later(lease),
+        )
+        # Under BEGIN IMMEDIATE nobody else writes meanwhile: the window read above needs no row locks.
+        stmt = stmt.where(t.c.id.in_(ids)).returning(
+            t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority, t.c.run_at,
+            t.c.isolate,
+        )
+        # UPDATE … RETURNING has no order: give the batch back in claim order.
+        rows = sorted(conn.execute(stmt), key=lambda r: (-r.priority, r.run_at, r.id))
+        claimed = [Claimed(r.id, r.kind, r.queue, r.payload, r.attempts, r.max_attempts, r.priority, token,
+                           bool(r.isolate)) for r in rows]
+        return claimed, waiting
+
+    def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
+        return text("json_insert(COALESCE(errors, '[]'), '$[#]', json(:entry))").bindparams(entry=json.dumps(entry))
+
+    def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:
+        """No percentile function in SQLite: one row per run, the figures computed here."""
+        t = self.jobs
+        took = self.seconds_between(t.c.finished_at, t.c.locked_at)
+        by_kind: dict[str, list[float]] = defaultdict(list)
+        for kind, seconds in conn.execute(select(t.c.kind, took).where(self.recently_finished(window))):
+            by_kind[kind].append(max(0.0, float(seconds)))
+        result = []
+        for kind in sorted(by_kind):
+            values = sorted(by_kind[kind])
+            result.append((kind, len(values), sum(values) / len(values), percentile(values, 0.5),
+                           percentile(values, 0.95), values[-1]))
+        return result
