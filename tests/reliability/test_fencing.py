@@ -24,10 +24,11 @@ pytestmark = pytest.mark.slow
 
 
 def claim_one(db: Database, lease: float = 60.0) -> tuple[int, str]:
+    """Claim as an idle worker does, so a job the reaper marked for isolation is taken too."""
     sql = app.queue.driver(db.engine)
     token = uuid.uuid4().hex
     with sql.write(db.engine) as conn:
-        [claimed] = sql.claim(conn, 1, "test", token, lease, None)
+        [claimed] = sql.claim(conn, 1, "test", token, lease, None, alone=True)
     return claimed.fence
 
 
