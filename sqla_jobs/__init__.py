@@ -4,8 +4,9 @@ Jobs are rows in your own tables, enqueued in your own transactions and run
 by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 """
 
-from .backoff import Backoff
-from .context import JobContext, current_job
+from ._backoff import Backoff
+from ._context import JobContext, current_job
+from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
 from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
     ConfigError,
@@ -18,7 +19,6 @@ from .errors import (
     SchemaError,
     SqlaJobsError,
 )
-from .models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
 from .queue import JobEvent, JobQueue
 from .worker import Worker
 

@@ -20,8 +20,8 @@ from alembic.autogenerate import comparators
 from alembic.operations import ops
 from sqlalchemy import Column, Index, Table, text
 
+from ._models import DeadJobMixin, JobMixin
 from .drivers import driver_class_of
-from .models import DeadJobMixin, JobMixin
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext

@@ -30,14 +30,14 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ._bootstrap import load_app, make_engine, worker_pool_size
-from .cli_migrations import add_migrations_parser
-from .durations import format_duration, parse_duration
+from ._cli_migrations import add_migrations_parser
+from ._durations import format_duration, parse_duration
+from ._lost import hand_back
+from ._models import STATES
+from ._stats import stats_tables
+from ._tables import print_table
 from .errors import ConfigError, ConnectionProblem, NotFound, SchemaError, SqlaJobsError
-from .lost import hand_back
-from .models import STATES
 from .queue import JobQueue
-from .stats import stats_tables
-from .tables import print_table
 from .worker import Worker
 
 __all__ = ["main"]
@@ -90,7 +90,7 @@ def supervise(args: argparse.Namespace, queue: JobQueue[Any, Any], engine: Engin
     so each has its own GIL, connections and LISTEN. A child that dies
     (a poison job that kills its process, an OOM kill) is started again after a
     pause; its running jobs are handed back at once, by the lease reaper's
-    rules (``sqla_jobs.lost``), instead of after a whole lease. For that the
+    rules (``sqla_jobs._lost``), instead of after a whole lease. For that the
     supervisor names each child (``--name``), so it knows which jobs were its.
     """
     argv = _without_options(list(args.argv), "--processes", "--name")
@@ -246,7 +246,7 @@ def cmd_dead_retry(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run_bench
+    from ._bench import run_bench
 
     return run_bench(args)
 

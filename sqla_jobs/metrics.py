@@ -45,9 +45,9 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from ._stats import QueueLength, QueueStats
 from .errors import ConfigError
 from .queue import JobEvent, JobQueue
-from .stats import QueueLength, QueueStats
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server

@@ -41,11 +41,11 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
-from .backoff import Backoff
+from ._backoff import Backoff
+from ._models import STATES, DeadJobMixin, JobMixin, check_row
+from ._stats import QueueStats, collect
 from .drivers import Driver, driver_for
 from .errors import ConfigError, InvalidJob, JobStateError, NotFound
-from .models import STATES, DeadJobMixin, JobMixin, check_row
-from .stats import QueueStats, collect
 
 __all__ = ["EVENTS", "Handler", "JobEvent", "JobQueue"]
 
@@ -258,7 +258,7 @@ class JobQueue(Generic[J, D]):
     def stats(
         self, bind: Session | Engine | Connection, *, window: float = 3600.0, run_times: bool = True
     ) -> QueueStats:
-        """Queue length, oldest pending age, dead letters and run times; see ``sqla_jobs.stats``."""
+        """Queue length, oldest pending age, dead letters and run times; see ``sqla_jobs._stats``."""
         with _connection(bind) as conn:
             return collect(self.driver(conn), conn, window, run_times=run_times)
 

@@ -20,7 +20,7 @@ run user code. The control loop, on each turn:
    ``flush_interval`` to be batched, and a claim waits until half the threads
    are free, unless the worker is idle; a job whose last worker was lost
    runs alone (claimed only by an idle worker, which then claims nothing
-   else until it ends: see sqla_jobs.lost);
+   else until it ends: see sqla_jobs._lost);
 5. sleeps until handler threads have something for it, a NOTIFY arrives
    (PostgreSQL) or ``poll_interval`` passes.
 
@@ -66,12 +66,12 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import Session
 
+from ._context import JobContext, _current
+from ._lost import hand_back
+from ._outage import database_key, watch
 from ._reconnect import retry_pause
-from .context import JobContext, _current
 from .drivers.base import Claimed, Driver, Fence
 from .errors import ConfigError, JobCancel, JobSnooze
-from .lost import hand_back
-from .outage import database_key, watch
 from .queue import JobEvent, JobQueue
 
 __all__ = ["Worker"]
@@ -516,7 +516,7 @@ class Worker:
         self._reap()
 
     def _reap(self) -> None:
-        """Hand back jobs whose worker vanished, by the rules of sqla_jobs.lost (the lost attempt counts,
+        """Hand back jobs whose worker vanished, by the rules of sqla_jobs._lost (the lost attempt counts,
         and the job's next run is alone in its worker process)."""
         hand_back(self.queue, self.engine, self.sql, self.sql.expired,
                   "worker {row.locked_by} stopped heartbeating (lease expired)")

@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Connection, Engine, insert, select, text
 
-from sqla_jobs.durations import format_duration, parse_duration
+from sqla_jobs._durations import format_duration, parse_duration
+from sqla_jobs._stats import percentile
 from sqla_jobs.errors import ConfigError
-from sqla_jobs.stats import percentile
 from tests.app import DeadJob, Job, queue
 from tests.conftest import Database
 

@@ -131,7 +131,7 @@ class Operations:
         )
         return sorted(r.id for r in rows)
 
-    # -- stats (sqla_jobs.stats) ---------------------------------------------------
+    # -- stats (sqla_jobs._stats) ---------------------------------------------------
     # Each query is shaped to stay on one of the partial indexes, so it reads the
     # live part of the table (pending, running, the stats window) and never the
     # millions of finished rows that pile up before pruning.
@@ -308,7 +308,7 @@ class Operations:
         # A row another session is deleting right now is skipped, not waited for.
         return conn.execute(delete(t).where(t.c.id.in_(self.skip_locked(old).scalar_subquery()))).rowcount
 
-    # -- stats (sqla_jobs.stats) -------------------------------------------------------
+    # -- stats (sqla_jobs._stats) -------------------------------------------------------
 
     def recently_finished(self, window: float) -> ColumnElement[bool]:
         """Jobs finished within ``window`` seconds, as the ``ix_<table>_finished`` index's predicate allows."""

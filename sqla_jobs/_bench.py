@@ -39,10 +39,10 @@ from sqlalchemy import Engine, MetaData, create_engine, func, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Session
 
+from ._backoff import Backoff
 from ._bootstrap import make_engine, worker_pool_size
-from .backoff import Backoff
+from ._models import DeadJobMixin, JobMixin
 from .drivers import driver_class
-from .models import DeadJobMixin, JobMixin
 from .queue import JobQueue
 from .worker import Worker
 

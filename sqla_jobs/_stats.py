@@ -37,8 +37,8 @@ from typing import Any
 
 from sqlalchemy import Connection
 
+from ._durations import format_duration
 from .drivers.base import Driver, percentile
-from .durations import format_duration
 from .errors import ConfigError
 
 __all__ = ["DeadLetters", "QueueLength", "QueueStats", "RunTime", "collect", "percentile", "stats_tables"]
