@@ -103,28 +103,24 @@ def record_sample(
 def series(engine: Engine, queue: JobQueue[Any, Any], span: float) -> dict[str, Any]:
     """The samples of the last ``span`` seconds as chart data.
 
-    ``{"times": [unix seconds...], "series": {name: {label: [value or None, ...]}}}``:
-    one column per sample time, downsampled to at most ``_MAX_POINTS`` columns
-    (each keeps its bucket's last sample, so a spike in a gauge is shown as it was sampled).
+    ``{"times": [unix seconds...], "series": {name: {label: [value or None, ...]}}}``,
+    at most ``_MAX_POINTS`` columns: the span is cut into that many buckets and
+    each point is the largest sample in its bucket, so a spike stays visible
+    when a day is drawn (a bucket without a sample is left out).
     """
     table = samples_table(queue)
+    step = span / _MAX_POINTS
     with engine.connect() as conn:
         if not inspect(conn).has_table(table.name, schema=table.schema):
             return {"times": [], "series": {}}
-        rows = sql_dashboard.read_samples(queue.driver(conn), conn, table, span)
+        rows = sql_dashboard.read_samples(queue.driver(conn), conn, table, span, step)
     now = time.time()
-    by_time: dict[int, dict[tuple[str, str], float]] = defaultdict(dict)
-    for age, name, label, value in rows:
-        by_time[round(now - float(age))][(name, label)] = float(value)
-    times = sorted(by_time)
-    if len(times) > _MAX_POINTS:
-        step = span / _MAX_POINTS
-        buckets: dict[int, int] = {}
-        for t in times:
-            buckets[int((now - t) // step)] = t  # times ascend: the bucket keeps its latest sample
-        times = sorted(buckets.values())
-    keys = sorted({key for t in times for key in by_time[t]})
+    by_bucket: dict[int, dict[tuple[str, str], float]] = defaultdict(dict)
+    for bucket, name, label, value in rows:
+        by_bucket[int(bucket)][(name, label)] = float(value)
+    buckets = sorted(by_bucket, reverse=True)  # the oldest (largest age) first
+    keys = sorted({key for b in buckets for key in by_bucket[b]})
     out: dict[str, dict[str, list[float | None]]] = defaultdict(dict)
     for name, label in keys:
-        out[name][label] = [by_time[t].get((name, label)) for t in times]
-    return {"times": times, "series": out}
+        out[name][label] = [by_bucket[b].get((name, label)) for b in buckets]
+    return {"times": [round(now - b * step) for b in buckets], "series": out}
