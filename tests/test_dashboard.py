@@ -167,3 +167,31 @@ def test_samples_are_pruned_and_written_at_most_once_per_interval(db: Database) 
     stamps = {str(r.taken_at) for r in rows}
     assert len(stamps) == 1  # the old one pruned, one new sample
     assert record_sample(db.engine, app.queue, keep=86400) > 0
+
+
+def test_samples_table_joins_the_apps_metadata_only_when_declared(tmp_path: object) -> None:
+    from sqlalchemy import create_engine, inspect
+    from sqlalchemy.orm import DeclarativeBase
+
+    from sqla_jobs import DeadJobMixin, JobMixin, JobQueue
+
+    class Base(DeclarativeBase):
+        pass
+
+    class OwnJob(JobMixin, Base):
+        __tablename__ = "own_jobs"
+
+    class OwnDead(DeadJobMixin, Base):
+        __tablename__ = "own_dead"
+
+    own = JobQueue(OwnJob, OwnDead)
+    engine = create_engine(f"sqlite:///{tmp_path}/own.db")
+    Base.metadata.create_all(engine)
+    dashboard(engine, own)
+    record_sample(engine, own)  # creates the table from the dashboard's own metadata
+    assert "own_jobs_samples" not in Base.metadata.tables  # the app's metadata is left alone
+    declared = samples_table(own, Base.metadata)
+    assert Base.metadata.tables["own_jobs_samples"] is declared and samples_table(own) is declared
+    Base.metadata.create_all(engine)
+    assert inspect(engine).has_table("own_jobs_samples")
+    assert record_sample(engine, own) > 0

@@ -52,8 +52,8 @@ def main() -> int:
     try:
         url = make_url(args.url).update_query_dict({"options": f"-csearch_path={schema}"})
         engine = create_engine(url)
-        samples_table(queue)
         Base.metadata.create_all(engine)
+        samples_table(queue).create(engine)
         started = time.perf_counter()
         with engine.begin() as conn:
             conn.execute(text(FILL))

@@ -17,7 +17,7 @@ from starlette.templating import Jinja2Templates
 from ..errors import ConfigError
 from ..queue import JobQueue
 from . import _actions, _pages
-from ._samples import KEEP, SAMPLE_INTERVAL, samples_table
+from ._samples import KEEP, SAMPLE_INTERVAL
 from ._security import Guard
 
 __all__ = ["build"]
@@ -44,7 +44,6 @@ def build(
         raise ConfigError("refresh and sample_interval must be > 0 seconds and keep at least sample_interval")
     guard = Guard(actions=actions, token=token, basic_auth=basic_auth, auth=auth,
                   allow_anonymous_actions=allow_anonymous_actions, **({"secret": secret} if secret else {}))
-    samples_table(queue)  # in the metadata, so create_all and alembic autogenerate see it
     here = resources.files(__package__ or "sqla_jobs.web")
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(here / "templates")), autoescape=True)
     templates = Jinja2Templates(env=env)

@@ -16,9 +16,11 @@ a rare duplicate sample is harmless), and the standalone ``sqla-jobs
 dashboard`` also writes on a timer. To keep a history while nobody looks, call
 ``record_sample(engine, queue)`` from cron or a scheduler.
 
-The table is ``<jobs table>_samples``, in the jobs table's metadata and
-schema, so ``metadata.create_all`` and alembic autogenerate see it once
-``samples_table(queue)`` has been called (``dashboard()`` calls it).
+The table is ``<jobs table>_samples`` in the jobs table's schema. Declared
+with ``samples_table(queue, Base.metadata)`` it is one of your tables
+(``create_all``, alembic autogenerate); undeclared, the dashboard creates it
+on first use, in a metadata of its own so your metadata is never changed
+behind your back.
 """
 
 from __future__ import annotations
@@ -27,7 +29,20 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, DateTime, Engine, Float, Index, Integer, String, Table, inspect, text
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Engine,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    inspect,
+    text,
+)
 
 from ..drivers import _dashboard as sql_dashboard
 from ..queue import JobQueue
@@ -39,16 +54,25 @@ KEEP = 2 * 86400.0
 _MAX_POINTS = 360  # a chart needs no more points than it has pixels to spare
 
 
-def samples_table(queue: JobQueue[Any, Any]) -> Table:
-    """The samples table of ``queue``'s jobs table, added to its metadata once."""
+def samples_table(queue: JobQueue[Any, Any], metadata: MetaData | None = None) -> Table:
+    """The samples table of ``queue``'s jobs table: ``<jobs table>_samples``, in the jobs table's schema.
+
+    Declare it in your own metadata, next to your models, with
+    ``samples_table(queue, Base.metadata)``: then ``create_all`` and alembic
+    autogenerate manage it like your other tables. Otherwise it lives in a
+    metadata of its own and the dashboard creates it on first use.
+    """
     jobs: Table = queue.job_model.__table__  # type: ignore[attr-defined]
     name = f"{jobs.name}_samples"
     key = f"{jobs.schema}.{name}" if jobs.schema else name
-    if key in jobs.metadata.tables:
-        return jobs.metadata.tables[key]
+    # Declared: the table is (or becomes) the app's. Undeclared: the app's if it declared it, else our own.
+    candidates = [metadata] if metadata is not None else [jobs.metadata, _PRIVATE.setdefault(key, MetaData())]
+    for candidate in candidates:
+        if key in candidate.tables:
+            return candidate.tables[key]
     return Table(
         name,
-        jobs.metadata,
+        candidates[-1],
         Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True),
         Column("taken_at", DateTime(timezone=True), nullable=False, server_default=text("CURRENT_TIMESTAMP")),
         Column("series", String(16), nullable=False),
@@ -57,6 +81,10 @@ def samples_table(queue: JobQueue[Any, Any]) -> Table:
         Index(f"ix_{name}_taken_at", "taken_at"),
         schema=jobs.schema,
     )
+
+
+#: Samples tables not declared in an application's metadata, by table key.
+_PRIVATE: dict[str, MetaData] = {}
 
 
 def due(engine: Engine, queue: JobQueue[Any, Any], interval: float = SAMPLE_INTERVAL) -> bool:
