@@ -195,3 +195,18 @@ def test_samples_table_joins_the_apps_metadata_only_when_declared(tmp_path: obje
     Base.metadata.create_all(engine)
     assert inspect(engine).has_table("own_jobs_samples")
     assert record_sample(engine, own) > 0
+
+
+def test_the_wheel_ships_the_templates_scripts_and_their_licences() -> None:
+    from importlib import resources
+
+    from tests.conftest import ROOT
+
+    web = resources.files("sqla_jobs.web")
+    for name in ("htmx-2.0.11.min.js", "uPlot-1.6.32.iife.min.js", "uPlot-1.6.32.min.css", "dashboard.js",
+                 "LICENSE-htmx", "LICENSE-uPlot"):
+        assert web.joinpath("static", name).is_file(), name
+    assert web.joinpath("templates", "overview.html").is_file()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert '"sqla_jobs.web" = ["templates/*.html", "static/*"]' in pyproject  # package-data: wheels carry them
+    assert '"sqla_jobs.drivers", "sqla_jobs.web"' in pyproject
