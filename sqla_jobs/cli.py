@@ -38,6 +38,7 @@ from ._stats import stats_tables
 from ._tables import print_table
 from .errors import ConfigError, ConnectionProblem, NotFound, SchemaError, SqlaJobsError
 from .queue import JobQueue
+from .web._cli import add_dashboard_parser
 from .worker import Worker
 
 __all__ = ["main"]
@@ -537,6 +538,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_health)
 
     add_migrations_parser(sub, _common)
+    add_dashboard_parser(sub, _common)
 
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")

@@ -61,6 +61,7 @@ RUNNABLE = [
     "howto/enqueue.md",
     "howto/handlers.md",
     "howto/retries-and-dead-letters.md",
+    "howto/dashboard.md",
     "reference/api.md",
     "reference/cli.md",
 ]

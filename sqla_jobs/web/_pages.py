@@ -1,0 +1,177 @@
+"""The read-only pages: overview, live figures, chart data, jobs, one job, dead letters."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.templating import Jinja2Templates
+
+from .._durations import format_duration, parse_duration
+from .._models import STATES
+from ..drivers import _dashboard as sql_dashboard
+from ..errors import ConfigError
+from ..queue import JobQueue
+from . import _samples
+from ._security import CSRF_COOKIE, Guard
+
+log = logging.getLogger("sqla_jobs.web")
+
+PAGE_SIZE = 50
+SPANS = {"hour": 3600.0, "day": 86400.0}
+
+
+@dataclass
+class Site:
+    """Everything a request handler needs: the database, the queue, the policy, the templates."""
+
+    engine: Engine
+    queue: JobQueue[Any, Any]
+    guard: Guard
+    templates: Jinja2Templates
+    title: str = "sqla-jobs"
+    refresh: float = 5.0
+    sample_interval: float = _samples.SAMPLE_INTERVAL
+    keep: float = _samples.KEEP
+    record: bool = True
+    _checked: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
+        csrf = request.cookies.get(CSRF_COOKIE) or self.guard.new_csrf()
+        context.update(
+            title=self.title, csrf=csrf, can_act=self.guard.authorised(request), actions=self.guard.actions,
+            needs_login=self.guard.needs_login, refresh=self.refresh, duration=format_duration,
+        )
+        response = self.templates.TemplateResponse(request, name, context, status_code=status_code)
+        if CSRF_COOKIE not in request.cookies:
+            response.set_cookie(CSRF_COOKIE, csrf, httponly=True, samesite="strict", path=_cookie_path(request))
+        return response
+
+    def maybe_sample(self) -> None:
+        """Write a sample when the latest is older than the interval; checks the database at most every 10 s."""
+        if not self.record:
+            return
+        now = time.monotonic()
+        with self._lock:
+            if now - self._checked < min(10.0, self.sample_interval):
+                return
+            self._checked = now
+        try:
+            if _samples.due(self.engine, self.queue, self.sample_interval):
+                _samples.record_sample(self.engine, self.queue, interval=self.sample_interval, keep=self.keep)
+        except Exception as exc:  # a read-only database user: show the figures, skip the history
+            log.warning("dashboard: cannot write samples (%s); charts keep no history", str(exc).splitlines()[0])
+            self.record = False
+
+
+def _cookie_path(request: Request) -> str:
+    return request.scope.get("root_path") or "/"
+
+
+def _site(request: Request) -> Site:
+    site: Site = request.app.state.site
+    return site
+
+
+def overview(request: Request) -> Response:
+    site = _site(request)
+    site.maybe_sample()
+    stats = site.queue.stats(site.engine)
+    return site.render(request, "overview.html", stats=stats, span=request.query_params.get("span", "hour"))
+
+
+def figures(request: Request) -> Response:
+    """The live part of the overview, fetched by htmx every ``refresh`` seconds."""
+    site = _site(request)
+    site.maybe_sample()
+    return site.render(request, "_figures.html", stats=site.queue.stats(site.engine))
+
+
+def stats_json(request: Request) -> Response:
+    site = _site(request)
+    return JSONResponse(site.queue.stats(site.engine).to_dict())
+
+
+def series_json(request: Request) -> Response:
+    site = _site(request)
+    span = SPANS.get(request.query_params.get("span", "hour"), SPANS["hour"])
+    site.maybe_sample()
+    return JSONResponse(_samples.series(site.engine, site.queue, span))
+
+
+def _filters(request: Request) -> dict[str, Any]:
+    """The jobs page's filters from the query string, checked; raises ConfigError with what to fix."""
+    q = request.query_params
+    state = q.get("state") or None
+    if state is not None and state not in STATES:
+        raise ConfigError(f"unknown state {state!r}; choose from {', '.join(STATES)}")
+    since_text = q.get("since") or None
+    since = parse_duration(since_text) if since_text else None
+    before = q.get("before") or None
+    if before is not None and not before.isdigit():
+        raise ConfigError(f"before must be a job id, got {before!r}")
+    return {"state": state, "kind": q.get("kind") or None, "queue": q.get("queue") or None,
+            "since": since, "before_id": int(before) if before else None}
+
+
+def jobs(request: Request) -> Response:
+    site = _site(request)
+    wanted = request.query_params.get("id", "").strip()
+    if wanted:
+        if not wanted.isdigit():
+            return site.render(request, "message.html", 400, heading="Bad job id",
+                               message=f"{wanted!r} is not a job id: type the number only")
+        return RedirectResponse(request.url_for("job", job_id=int(wanted)), status_code=303)
+    try:
+        filters = _filters(request)
+    except ConfigError as exc:
+        return site.render(request, "message.html", 400, heading="Bad filter", message=str(exc))
+    with site.engine.connect() as conn:
+        rows = sql_dashboard.job_page(site.queue.driver(conn), conn, limit=PAGE_SIZE + 1, **filters)
+    more = len(rows) > PAGE_SIZE
+    rows = rows[:PAGE_SIZE]
+    params = {k: v for k, v in request.query_params.items() if k != "before" and v}
+    next_params = {**params, "before": str(rows[-1].id)} if more else None
+    return site.render(request, "jobs.html", rows=rows, states=STATES, params=params, next_params=next_params,
+                       kinds=sorted(site.queue.handlers))
+
+
+def job(request: Request) -> Response:
+    site = _site(request)
+    job_id = int(request.path_params["job_id"])
+    with Session(site.engine) as session:
+        row = site.queue.get_job(session, job_id)
+        dead = row is None
+        if dead:
+            row = site.queue.get_dead(session, job_id)
+        conn = session.connection()
+        timings = None if dead else sql_dashboard.job_timings(site.queue.driver(conn), conn, job_id)
+    if row is None:
+        return site.render(request, "message.html", 404, heading="No such job",
+                           message=f"There is no job {job_id} in the jobs table or the dead-letter table "
+                                   "(it may have been pruned or purged).")
+    data = dict(row._mapping)
+    return site.render(
+        request, "job.html", job=data, dead=dead, state="dead" if dead else data["state"], timings=timings,
+        payload=json.dumps(data.get("payload"), indent=2, ensure_ascii=False, default=str),
+        errors=data.get("errors") or [],
+    )
+
+
+def dead(request: Request) -> Response:
+    site = _site(request)
+    kind = request.query_params.get("kind") or None
+    with Session(site.engine) as session:
+        rows = site.queue.list_dead(session, kind=kind, limit=200)
+        conn = session.connection()
+        kinds = sql_dashboard.dead_kinds(site.queue.driver(conn), conn)
+    return site.render(request, "dead.html", rows=rows, kinds=kinds, kind=kind)

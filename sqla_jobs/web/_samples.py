@@ -1,0 +1,154 @@
+"""The dashboard's history: a small table of samples of the four figures, so the charts survive a restart.
+
+Design. One sample is a handful of rows ``(taken_at, series, label, value)``
+written at most once per ``interval`` (default 60 s): per queue name its
+``ready``, ``scheduled``, ``running`` and ``oldest`` (oldest pending age, s);
+``finished`` (jobs finished per minute over the last interval); per kind its
+``dead`` (dead letters in total), ``p50`` and ``p95`` (run time, s, over the
+last interval). Each write first deletes the samples older than ``keep``
+(default 2 days), so the table stays at about ``keep / interval`` samples:
+2,880 samples of ~10 rows for one queue and a few kinds.
+
+Who writes. Workers are not touched: a sample costs them nothing. The
+dashboard writes one when a page or the live refresh finds the latest sample
+older than ``interval`` (any number of dashboard processes share the table;
+a rare duplicate sample is harmless), and the standalone ``sqla-jobs
+dashboard`` also writes on a timer. To keep a history while nobody looks, call
+``record_sample(engine, queue)`` from cron or a scheduler.
+
+The table is ``<jobs table>_samples`` in the jobs table's schema. Declared
+with ``samples_table(queue, Base.metadata)`` it is one of your tables
+(``create_all``, alembic autogenerate); undeclared, the dashboard creates it
+on first use, in a metadata of its own so your metadata is never changed
+behind your back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    DateTime,
+    Engine,
+    Float,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    inspect,
+    text,
+)
+
+from ..drivers import _dashboard as sql_dashboard
+from ..queue import JobQueue
+
+__all__ = ["KEEP", "SAMPLE_INTERVAL", "due", "record_sample", "samples_table", "series"]
+
+SAMPLE_INTERVAL = 60.0
+KEEP = 2 * 86400.0
+_MAX_POINTS = 360  # a chart needs no more points than it has pixels to spare
+
+
+def samples_table(queue: JobQueue[Any, Any], metadata: MetaData | None = None) -> Table:
+    """The samples table of ``queue``'s jobs table: ``<jobs table>_samples``, in the jobs table's schema.
+
+    Declare it in your own metadata, next to your models, with
+    ``samples_table(queue, Base.metadata)``: then ``create_all`` and alembic
+    autogenerate manage it like your other tables. Otherwise it lives in a
+    metadata of its own and the dashboard creates it on first use.
+    """
+    jobs: Table = queue.job_model.__table__  # type: ignore[attr-defined]
+    name = f"{jobs.name}_samples"
+    key = f"{jobs.schema}.{name}" if jobs.schema else name
+    # Declared: the table is (or becomes) the app's. Undeclared: the app's if it declared it, else our own.
+    candidates = [metadata] if metadata is not None else [jobs.metadata, _PRIVATE.setdefault(key, MetaData())]
+    for candidate in candidates:
+        if key in candidate.tables:
+            return candidate.tables[key]
+    return Table(
+        name,
+        candidates[-1],
+        Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True),
+        Column("taken_at", DateTime(timezone=True), nullable=False, server_default=text("CURRENT_TIMESTAMP")),
+        Column("series", String(16), nullable=False),
+        Column("label", String(255), nullable=False, server_default=""),
+        Column("value", Float, nullable=False),
+        Index(f"ix_{name}_taken_at", "taken_at"),
+        schema=jobs.schema,
+    )
+
+
+#: Samples tables not declared in an application's metadata, by table key.
+_PRIVATE: dict[str, MetaData] = {}
+
+
+def due(engine: Engine, queue: JobQueue[Any, Any], interval: float = SAMPLE_INTERVAL) -> bool:
+    """Whether the latest sample is older than ``interval`` seconds (or there is none)."""
+    table = samples_table(queue)
+    with engine.connect() as conn:
+        if not inspect(conn).has_table(table.name, schema=table.schema):
+            return True
+        age = sql_dashboard.sample_age(queue.driver(conn), conn, table)
+    return age is None or age >= interval
+
+
+def record_sample(
+    engine: Engine, queue: JobQueue[Any, Any], *, interval: float = SAMPLE_INTERVAL, keep: float = KEEP
+) -> int:
+    """Write one sample of the figures now and prune samples older than ``keep`` seconds; returns rows written.
+
+    Run it every ``interval`` seconds (cron, a scheduler) to keep charts while no
+    dashboard is open; run time and throughput cover the last ``interval``.
+    Creates the samples table if it is missing.
+    """
+    table = samples_table(queue)
+    table.create(engine, checkfirst=True)
+    stats = queue.stats(engine, window=interval)
+    rows: list[dict[str, Any]] = []
+    for q in stats.queues:
+        rows += [
+            {"series": "ready", "label": q.queue, "value": q.ready},
+            {"series": "scheduled", "label": q.queue, "value": q.scheduled},
+            {"series": "running", "label": q.queue, "value": q.running},
+            {"series": "oldest", "label": q.queue, "value": q.oldest_pending_age or 0.0},
+        ]
+    rows.append({"series": "finished", "label": "", "value": stats.throughput})
+    rows += [{"series": "dead", "label": d.kind, "value": d.total} for d in stats.dead]
+    for r in stats.run_times:
+        rows += [{"series": "p50", "label": r.kind, "value": r.p50}, {"series": "p95", "label": r.kind, "value": r.p95}]
+    driver = queue.driver(engine)
+    with driver.write(engine) as conn:
+        sql_dashboard.prune_samples(driver, conn, table, keep)
+        sql_dashboard.write_samples(driver, conn, table, rows)
+    return len(rows)
+
+
+def series(engine: Engine, queue: JobQueue[Any, Any], span: float) -> dict[str, Any]:
+    """The samples of the last ``span`` seconds as chart data.
+
+    ``{"times": [unix seconds...], "series": {name: {label: [value or None, ...]}}}``,
+    at most ``_MAX_POINTS`` columns: the span is cut into that many buckets and
+    each point is the largest sample in its bucket, so a spike stays visible
+    when a day is drawn (a bucket without a sample is left out).
+    """
+    table = samples_table(queue)
+    step = span / _MAX_POINTS
+    with engine.connect() as conn:
+        if not inspect(conn).has_table(table.name, schema=table.schema):
+            return {"times": [], "series": {}}
+        rows = sql_dashboard.read_samples(queue.driver(conn), conn, table, span, step)
+    now = time.time()
+    by_bucket: dict[int, dict[tuple[str, str], float]] = defaultdict(dict)
+    for bucket, name, label, value in rows:
+        by_bucket[int(bucket)][(name, label)] = float(value)
+    buckets = sorted(by_bucket, reverse=True)  # the oldest (largest age) first
+    keys = sorted({key for b in buckets for key in by_bucket[b]})
+    out: dict[str, dict[str, list[float | None]]] = defaultdict(dict)
+    for name, label in keys:
+        out[name][label] = [by_bucket[b].get((name, label)) for b in buckets]
+    return {"times": [round(now - b * step) for b in buckets], "series": out}

@@ -1,0 +1,44 @@
+// Draws the overview's charts from /api/series with uPlot and redraws them every refresh.
+// One chart per series name; one line per label (queue name or kind). No build step.
+(function () {
+  "use strict";
+  var root = document.getElementById("charts");
+  if (!root || typeof uPlot === "undefined") { return; }
+  var colours = ["#1d3557", "#e63946", "#2a9d8f", "#f4a261", "#6d597a", "#457b9d", "#8ab17d", "#b5838d"];
+  var plots = {};
+
+  function draw(data) {
+    root.querySelectorAll(".chart").forEach(function (el) {
+      var name = el.getAttribute("data-series");
+      var lines = (data.series || {})[name] || {};
+      var labels = Object.keys(lines).sort();
+      if (!data.times.length || !labels.length) {
+        if (plots[name]) { plots[name].destroy(); delete plots[name]; }
+        el.innerHTML = '<div class="empty">no samples yet</div>';
+        return;
+      }
+      var columns = [data.times].concat(labels.map(function (l) { return lines[l]; }));
+      var key = labels.join("\u0000");
+      if (plots[name] && plots[name].key === key) { plots[name].setData(columns); return; }
+      if (plots[name]) { plots[name].destroy(); }
+      el.textContent = "";
+      var series = [{}].concat(labels.map(function (l, i) {
+        return { label: l || name, stroke: colours[i % colours.length], width: 2, spanGaps: true };
+      }));
+      var plot = new uPlot({ width: Math.max(300, el.clientWidth), height: 200, series: series,
+                             axes: [{}, { size: 60 }], scales: { y: { range: function (u, min, max) {
+                               return [0, Math.max(1, max * 1.1)]; } } } }, columns, el);
+      plot.key = key;
+      plots[name] = plot;
+    });
+  }
+
+  function load() {
+    fetch(root.getAttribute("data-series"), { credentials: "same-origin" })
+      .then(function (r) { return r.json(); }).then(draw)
+      .catch(function () { /* the next refresh tries again */ });
+  }
+
+  load();
+  setInterval(load, Math.max(5, parseFloat(root.getAttribute("data-refresh")) || 5) * 1000);
+})();

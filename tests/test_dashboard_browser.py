@@ -1,0 +1,97 @@
+"""The dashboard in headless Chromium: what a person sees and clicks, against a real server and database."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import Select, WebDriverWait
+
+from sqla_jobs.web import dashboard
+from tests import app
+from tests.browser import new_browser, require_browser, serve
+from tests.conftest import Database
+from tests.dashboard_helpers import TOKEN, kill
+from tests.helpers import enqueue, job, run_burst
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    require_browser()
+    driver = new_browser()
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture
+def site(db: Database, browser: Any) -> Iterator[str]:
+    browser.delete_all_cookies()
+    with serve(dashboard(db.engine, app.queue, actions=True, token=TOKEN, refresh=1.0)) as url:
+        yield url
+
+
+def text_of(browser: Any, css: str) -> str:
+    return str(WebDriverWait(browser, 20).until(
+        expected_conditions.presence_of_element_located((By.CSS_SELECTOR, css))).text)
+
+
+def test_overview_figures_match_queue_stats_and_charts_draw(db: Database, browser: Any, site: str) -> None:
+    kill(db, n=2)
+    for _ in range(4):
+        enqueue(db.engine, "record")
+    browser.get(site + "/")
+    stats = app.queue.stats(db.engine)
+    assert text_of(browser, "#fig-ready") == str(stats.ready) == "4"
+    assert text_of(browser, "#fig-dead") == str(stats.dead_total) == "2"
+    assert text_of(browser, "#fig-running") == str(stats.running)
+    # The page wrote a sample; uPlot draws it on a canvas (so the vendored scripts load and run).
+    WebDriverWait(browser, 20).until(lambda b: b.find_elements(By.CSS_SELECTOR, '.chart[data-series="ready"] canvas'))
+    # The figures are live: a drained queue shows up without a reload (htmx refresh every second).
+    run_burst(db.engine)
+    WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "fig-ready").text == "0")
+
+
+def test_filter_jobs_and_open_one(db: Database, browser: Any, site: str) -> None:
+    done = enqueue(db.engine, "record", {"note": "<script>document.title='owned'</script>"})
+    run_burst(db.engine)
+    waiting = enqueue(db.engine, "noop")
+    browser.get(site + "/jobs")
+    Select(browser.find_element(By.NAME, "state")).select_by_value("finished")
+    browser.find_element(By.ID, "apply").click()
+    WebDriverWait(browser, 20).until(lambda b: "state=finished" in b.current_url)
+    shown = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#jobs td:first-child a")]
+    assert shown == [str(done)] and str(waiting) not in shown
+    browser.find_element(By.LINK_TEXT, str(done)).click()
+    assert text_of(browser, "#job-state") == "finished"
+    assert "<script>document.title='owned'</script>" in text_of(browser, "#payload")  # shown as text
+    assert browser.title != "owned"  # and never run
+
+
+def test_retry_a_dead_letter_after_logging_in(db: Database, browser: Any, site: str) -> None:
+    [dead_id] = kill(db)
+    browser.get(site + "/login")
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    browser.find_element(By.ID, "login").click()
+    WebDriverWait(browser, 20).until(lambda b: "actions enabled" in b.find_element(By.TAG_NAME, "header").text)
+    browser.get(site + "/dead")
+    browser.find_element(By.LINK_TEXT, str(dead_id)).click()
+    browser.find_element(By.ID, "action-requeue").click()
+    assert "back to the queue" in text_of(browser, "#question")
+    browser.find_element(By.ID, "confirm").click()
+    assert text_of(browser, "#job-state") == "pending"
+    row = job(db.engine, dead_id)
+    assert row is not None and row.state == "pending"
+
+
+def test_an_action_is_refused_without_the_credential(db: Database, browser: Any, site: str) -> None:
+    [dead_id] = kill(db)
+    browser.get(site + f"/jobs/{dead_id}")
+    assert "not logged in" in browser.page_source
+    browser.find_element(By.ID, "action-requeue").click()
+    assert text_of(browser, "#heading") == "Refused"
+    assert job(db.engine, dead_id) is None  # still dead
