@@ -10,6 +10,7 @@ empty result.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import sys
 import time
@@ -49,6 +50,29 @@ def _open(args: argparse.Namespace) -> tuple[JobQueue[Any, Any], Engine]:
     return queue, engine
 
 
+def _check_kind(queue: JobQueue[Any, Any], engine: Engine, kind: str | None, *, dead: bool) -> None:
+    """ConfigError when ``kind`` is neither a handler of the app nor in the table: it can match nothing.
+
+    A kind the table holds but the app no longer handles (a removed handler's jobs) is still valid.
+    """
+    if kind is None or kind in queue.handlers:
+        return
+    model = queue.dead_model if dead else queue.job_model
+    table = model.__table__.fullname
+    with engine.connect() as conn:
+        present = queue.driver(conn).kinds(conn, dead=dead)
+    if kind in present:
+        return
+    known = sorted(queue.handlers)
+    close = difflib.get_close_matches(kind, [*known, *present], n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(
+        f"--kind {kind!r} matches nothing: the app has no handler of that kind and table {table!r} holds "
+        f"no job of it; {hint}the app's kinds: {', '.join(known) or '(none)'}; "
+        f"kinds in {table}: {', '.join(present) or '(none: the table is empty)'}"
+    )
+
+
 def _row_dict(row: Any) -> dict[str, Any]:
     return dict(row._mapping)
 
@@ -72,6 +96,7 @@ def cmd_create_tables(args: argparse.Namespace) -> int:
 
 def cmd_dead_list(args: argparse.Namespace) -> int:
     queue, engine = _open(args)
+    _check_kind(queue, engine, args.kind, dead=True)
     since = parse_duration(args.since) if args.since else None
     with Session(engine) as session:
         rows = queue.list_dead(session, kind=args.kind, since=since, limit=args.limit)
@@ -99,6 +124,7 @@ def cmd_dead_retry(args: argparse.Namespace) -> int:
     if not (args.ids or args.kind or args.all):
         raise ConfigError("dead retry needs job ids, --kind KIND or --all")
     queue, engine = _open(args)
+    _check_kind(queue, engine, args.kind, dead=True)
     with Session(engine) as session, session.begin():
         moved = queue.requeue_dead(session, ids=args.ids or None, kind=args.kind, everything=args.all)
     print(f"requeued {len(moved)} job(s)" + (f": {', '.join(map(str, moved))}" if moved else ""))
@@ -128,6 +154,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_jobs_list(args: argparse.Namespace) -> int:
     queue, engine = _open(args)
+    _check_kind(queue, engine, args.kind, dead=False)
     with Session(engine) as session:
         rows = queue.list_jobs(session, kind=args.kind, state=args.state, queue=args.queue, limit=args.limit)
     if args.json:
@@ -211,6 +238,7 @@ def cmd_dead_show(args: argparse.Namespace) -> int:
 
 def cmd_dead_purge(args: argparse.Namespace) -> int:
     queue, engine = _open(args)
+    _check_kind(queue, engine, args.kind, dead=True)
     older_than = parse_duration(args.older_than)
     with Session(engine) as session, session.begin():
         count = queue.purge_dead(session, older_than=older_than, kind=args.kind)

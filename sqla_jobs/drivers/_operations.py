@@ -234,6 +234,14 @@ class Operations:
             stmt = stmt.where(d.c.failed_at >= self.ago(since))
         return list(conn.execute(stmt))
 
+    def kinds(self, conn: Connection, *, dead: bool = False, limit: int = 100) -> list[str]:
+        """The distinct kinds in the jobs (or dead-letter) table, sorted, at most ``limit``.
+
+        No index covers ``kind``: the admin commands ask only when a ``--kind`` is unknown to the app.
+        """
+        t = self.dead if dead else self.jobs
+        return list(conn.scalars(select(t.c.kind).distinct().order_by(t.c.kind).limit(limit)))
+
     def cancel(self, conn: Connection, job_id: int) -> tuple[bool, str | None]:
         """Cancel a job. Returns (changed, the state the job had): ``(True, "pending")`` it
         is now cancelled and will never run; ``(True, "running")`` the request is recorded in
