@@ -169,3 +169,70 @@ def test_a_misspelled_kind_is_an_error_listing_the_kinds(db: Database) -> None:
     assert retired.returncode == 0 and "retired_kind" in retired.stdout, retired.stderr
     none_yet = run_cli("dead", "retry", "--kind", "flaky", *APP, env=env)
     assert none_yet.returncode == 0 and "requeued 0 job(s)" in none_yet.stdout, none_yet.stderr
+
+
+# -- 1. migrations path 3 as documented; 9. one line of output --------------------------------------------
+
+
+def test_render_reads_app_and_url_from_alembic_ini(tmp_path: Path) -> None:
+    """The issue's repro: `migrations init`, set sqla_jobs.app, `migrations render`, no --app, no --url."""
+    env = clean_env()
+
+    def sqla_jobs(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "sqla_jobs.cli", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    init = sqla_jobs("migrations", "init", "m")
+    assert init.returncode == 0, init.stderr
+    assert len(init.stdout.strip().splitlines()) == 1 and "set sqla_jobs.app" in init.stdout  # not alembic's too
+    ini = tmp_path / "alembic.ini"
+    ini.write_text(re.sub(r"(?m)^sqla_jobs\.app =.*$", "sqla_jobs.app = tests.app:queue", ini.read_text()))
+    assert "sqlalchemy.url = sqlite:///app.db" in ini.read_text()
+
+    render = sqla_jobs("migrations", "render")
+    assert render.returncode == 0, render.stderr
+    lines = render.stdout.strip().splitlines()
+    assert lines[0].startswith("wrote ") and "Generating" not in render.stdout  # its own line, not alembic's
+    assert "  create table jobs" in lines
+    assert not (tmp_path / "app.db").exists()  # the database of sqlalchemy.url does not exist yet: no empty file
+
+    upgrade = subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=tmp_path, env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert upgrade.returncode == 0, upgrade.stderr
+    # Now render compares with sqlalchemy.url's database, read from alembic.ini: nothing is missing.
+    again = sqla_jobs("migrations", "render")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == "the job tables are up to date: no revision written"
+    assert len(list((tmp_path / "m" / "versions").glob("*.py"))) == 1
+
+    (tmp_path / "alembic.ini").write_text(ini.read_text().replace("sqla_jobs.app = tests.app:queue",
+                                                                  "sqla_jobs.app ="))
+    no_app = sqla_jobs("migrations", "render")
+    assert_clean_error(no_app, 2, "no app given", "--app", "SQLA_JOBS_APP", "sqla_jobs.app in alembic.ini")
+
+
+# -- 9. no empty SQLite files left behind ------------------------------------------------------------------
+
+
+def test_a_failed_sqlite_start_leaves_no_empty_file(tmp_path: Path) -> None:
+    typo = tmp_path / "jbos.db"
+    for argv in (("worker", "--burst"), ("jobs", "list"), ("stats",), ("dead", "retry", "--all")):
+        result = run_cli(*argv, "--url", f"sqlite:///{typo}", *APP, env=clean_env())
+        assert_clean_error(result, 2, f"no database at {typo}", "create-tables")
+        assert not typo.exists(), argv
+    health = run_cli("health", "--max-oldest-age", "1m", "--url", f"sqlite:///{typo}", *APP, env=clean_env())
+    assert health.returncode == 1 and health.stdout.startswith(f"UNHEALTHY: no database at {typo}")
+    assert not typo.exists()
+    created = run_cli("create-tables", "--url", f"sqlite:///{typo}", *APP, env=clean_env())
+    assert created.returncode == 0 and typo.stat().st_size > 0, created.stderr
+
+
+def test_bench_on_sqlite_leaves_no_file(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sqla_jobs.cli", "bench", "--url", "sqlite:///b.db", "--jobs", "20", "--runs", "1",
+         "--processes", "1", "--concurrency", "2", "--latency-samples", "5", "--json"],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert '"drain (jobs/s)"' in result.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither b.db nor the scratch file

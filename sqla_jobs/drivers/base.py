@@ -136,6 +136,13 @@ class Driver(Operations):
         return url
 
     @classmethod
+    def missing_database(cls, url: URL) -> str | None:
+        """Where the database of ``url`` would be, when it does not exist and connecting would
+        create it (an SQLite file): commands that need existing tables refuse it rather than
+        leave an empty file behind. None when it exists, or when connecting creates nothing."""
+        return None
+
+    @classmethod
     def attach_table_events(cls, table: Table) -> None:
         """Hook DDL that must follow ``CREATE TABLE`` of a jobs table (e.g. a wake-up trigger)."""
 
