@@ -105,8 +105,9 @@ def make_engine(raw: str | None, pool_size: int | None = None, *, create: bool =
             f"no database at {missing}: check --url (a typo in the path?), or create the tables with "
             "`sqla-jobs create-tables --url ... --app ...`"
         )
+    url, connect_args = driver_class(url.get_backend_name()).connect_args(url)
     try:
-        engine = create_engine(url, **({"pool_size": pool_size} if pool_size else {}))
+        engine = create_engine(url, connect_args=connect_args, **({"pool_size": pool_size} if pool_size else {}))
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigError(f"--url {url.render_as_string()!r}: {exc}") from None
     try:

@@ -136,6 +136,12 @@ class Driver(Operations):
         return url
 
     @classmethod
+    def connect_args(cls, url: URL) -> tuple[URL, dict[str, Any]]:
+        """``url`` without the query settings sqla-jobs reads itself, and the DBAPI ``connect()``
+        keyword arguments they stand for (a URL query only carries strings)."""
+        return url, {}
+
+    @classmethod
     def missing_database(cls, url: URL) -> str | None:
         """Where the database of ``url`` would be, when it does not exist and connecting would
         create it (an SQLite file): commands that need existing tables refuse it rather than
