@@ -6,6 +6,7 @@ Each test here fails on the friction it names; the commands run in a subprocess,
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import shlex
 import subprocess
@@ -236,3 +237,25 @@ def test_bench_on_sqlite_leaves_no_file(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert '"drain (jobs/s)"' in result.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither b.db nor the scratch file
+
+
+# -- 9. the log's duration and stats' run time: what each measures ---------------------------------------
+
+
+def test_log_duration_is_the_handler_and_stats_counts_from_claim_to_finish(db: Database) -> None:
+    """The log line's "(N ms)" is the handler's own time; stats' run time (claim to finish) contains it.
+
+    Both are labelled for what they are, so "(0.0 ms)" next to a ~10 ms stats mean is no contradiction.
+    """
+    for seconds in (0.0, 0.3):
+        enqueue(db.engine, "sleep", {"seconds": seconds})
+    worker = run_cli("worker", "--burst", *APP, env=db.env())
+    assert worker.returncode == 0, worker.stderr
+    logged = [float(ms) for ms in
+              re.findall(r"job \d+ sleep attempt 1/5 \((\d+\.\d) ms\): finished", worker.stderr)]
+    assert len(logged) == 2 and min(logged) < 100 <= 300 <= max(logged) < 2000, logged
+    stats = run_cli("stats", "--json", *APP, env=db.env())
+    (sleep,) = [r for r in json.loads(stats.stdout)["run_times"] if r["kind"] == "sleep"]
+    assert sleep["max"] * 1000 >= max(logged)  # claim to finish holds the handler's time
+    table = run_cli("stats", *APP, env=db.env())
+    assert "Run time by kind (claim to finish, last 1h)" in table.stdout
