@@ -137,15 +137,12 @@ class Driver(Operations):
 
     @classmethod
     def connect_args(cls, url: URL) -> tuple[URL, dict[str, Any]]:
-        """``url`` without the query settings sqla-jobs reads itself, and the DBAPI ``connect()``
-        keyword arguments they stand for (a URL query only carries strings)."""
+        """``url`` less the query settings sqla-jobs reads itself, and the ``connect()`` arguments they mean."""
         return url, {}
 
     @classmethod
     def missing_database(cls, url: URL) -> str | None:
-        """Where the database of ``url`` would be, when it does not exist and connecting would
-        create it (an SQLite file): commands that need existing tables refuse it rather than
-        leave an empty file behind. None when it exists, or when connecting creates nothing."""
+        """Where ``url``'s database would be if it does not exist and connecting would create it (a file)."""
         return None
 
     @classmethod
