@@ -6,8 +6,10 @@ those that need your models and handlers take ``--app module:attr`` (or
 import path, as with ``python -m``.
 
 Exit status: 0 success, 1 the command ran and found a problem (unreachable
-database, failing health check), 2 bad usage or configuration. Errors are
-one readable line, never a traceback.
+database, failing health check), 2 bad usage or configuration, 141 the
+output's reader went away (``| head``). Errors are one readable line, never a
+traceback. Here: ``main``, the parser and the worker; the admin commands are
+in ``_cli_admin``, ``migrations`` in ``_cli_migrations``.
 """
 
 from __future__ import annotations
@@ -209,20 +211,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default after its help, unless the help already names it.
+    """Shows each option's default after its help, unless the help already names it. Never
+    ``--url``'s: it comes from ``SQLA_JOBS_URL`` and may hold a password."""
 
-    ``--url`` never shows its default: it comes from ``SQLA_JOBS_URL`` and may hold a password.
-    """
+    hidden = frozenset({"url", "app", "help", "version"})
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if (action.default in (None, False, argparse.SUPPRESS) or action.dest in _NO_DEFAULT_SHOWN
-                or "default" in text or action.option_strings == []):
+        if (action.default in (None, False, argparse.SUPPRESS) or action.dest in self.hidden
+                or "default" in text or not action.option_strings):
             return text
         return f"{text} (default: %(default)s)"
-
-
-_NO_DEFAULT_SHOWN = frozenset({"url", "app", "help", "version"})
 
 
 class _Parser(argparse.ArgumentParser):

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, insert, make_url, text
+from sqlalchemy import Engine, create_engine, insert, make_url, text
 
 from tests import app
 from tests.conftest import IN_CI, PG_URL, ROOT, require_postgres
@@ -110,7 +110,7 @@ def start_workers(url: str, processes: int) -> list[subprocess.Popen[str]]:
             for _ in range(processes)]
 
 
-def enqueue_noops(direct: str, jobs: int) -> object:
+def enqueue_noops(direct: str, jobs: int) -> Engine:
     engine = create_engine(direct)
     app.queue.create_tables(engine)
     with engine.begin() as conn:
@@ -129,9 +129,9 @@ def test_workers_drain_through_pgbouncer_transaction_mode(bouncer: tuple[str, st
         problems = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line
                     or "Traceback" in line or "prepared statement" in line]
         assert problems == [], "\n".join(problems)
-    assert count(engine, app.Job, app.Job.state == "finished") == 600  # type: ignore[attr-defined]
+    assert count(engine, app.Job, app.Job.state == "finished") == 600
     assert sum(log.count(" noop attempt 1/5 ") for log in logs) == 600  # each job ran once, first time
-    engine.dispose()  # type: ignore[attr-defined]
+    engine.dispose()
 
 
 @pytest.mark.slow
@@ -142,7 +142,7 @@ def test_without_the_setting_pgbouncer_breaks_prepared_statements(bouncer: tuple
     workers = start_workers(through, 3)
     logs = [w.communicate(timeout=240)[0] for w in workers]
     assert any("prepared statement" in log for log in logs), "\n".join(logs)[-3000:]
-    engine.dispose()  # type: ignore[attr-defined]
+    engine.dispose()
 
 
 def test_prepare_threshold_in_the_url_is_checked(tmp_path: Path) -> None:
