@@ -60,7 +60,7 @@ def _check_kind(queue: JobQueue[Any, Any], engine: Engine, kind: str | None, *, 
     model = queue.dead_model if dead else queue.job_model
     table = model.__table__.fullname
     with engine.connect() as conn:
-        present = queue.driver(conn).kinds(conn, dead=dead)
+        present = queue.driver(conn).distinct(conn, "kind", dead=dead)
     if kind in present:
         return
     known = sorted(queue.handlers)
@@ -161,7 +161,13 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
         _print_json([_row_dict(r) for r in rows])
         return 0
     if not rows:
-        print("no jobs match")
+        hint = ""
+        if args.queue is not None:  # queue names are free-form: an empty one is no error, but may be a typo
+            with engine.connect() as conn:
+                names = queue.driver(conn).distinct(conn, "queue")
+            if args.queue not in names:
+                hint = f" (no job is in queue {args.queue!r}; queues in the table: {', '.join(names) or '(none)'})"
+        print("no jobs match" + hint)
         return 0
     print_table(
         f"{len(rows)} job(s), newest first",

@@ -259,3 +259,10 @@ def test_log_duration_is_the_handler_and_stats_counts_from_claim_to_finish(db: D
     assert sleep["max"] * 1000 >= max(logged)  # claim to finish holds the handler's time
     table = run_cli("stats", *APP, env=db.env())
     assert "Run time by kind (claim to finish, last 1h)" in table.stdout
+
+
+def test_an_empty_queue_filter_names_the_queues_that_exist(db: Database) -> None:
+    enqueue(db.engine, "noop", queue="emails")
+    result = run_cli("jobs", "list", "--queue", "emials", *APP, env=db.env())
+    assert result.returncode == 0, result.stderr  # queue names are free-form: an empty queue is no error
+    assert result.stdout.strip() == "no jobs match (no job is in queue 'emials'; queues in the table: emails)"

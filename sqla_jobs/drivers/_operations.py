@@ -234,13 +234,13 @@ class Operations:
             stmt = stmt.where(d.c.failed_at >= self.ago(since))
         return list(conn.execute(stmt))
 
-    def kinds(self, conn: Connection, *, dead: bool = False, limit: int = 100) -> list[str]:
-        """The distinct kinds in the jobs (or dead-letter) table, sorted, at most ``limit``.
+    def distinct(self, conn: Connection, column: str, *, dead: bool = False, limit: int = 100) -> list[str]:
+        """The distinct values of ``column`` (``kind``, ``queue``) in the jobs (or dead-letter) table, sorted.
 
-        No index covers ``kind``: the admin commands ask only when a ``--kind`` is unknown to the app.
+        No index covers them: the admin commands ask only when a filter matched nothing or may be a typo.
         """
-        t = self.dead if dead else self.jobs
-        return list(conn.scalars(select(t.c.kind).distinct().order_by(t.c.kind).limit(limit)))
+        c = (self.dead if dead else self.jobs).c[column]
+        return list(conn.scalars(select(c).distinct().order_by(c).limit(limit)))
 
     def cancel(self, conn: Connection, job_id: int) -> tuple[bool, str | None]:
         """Cancel a job. Returns (changed, the state the job had): ``(True, "pending")`` it
