@@ -107,8 +107,10 @@ def test_dead_list_text_and_json(db: Database) -> None:
     assert item["payload"] == {"message": "fail broke"}
     assert item["last_error"] == "ValueError: fail broke"
     assert [e["attempt"] for e in item["errors"]] == [1]
-    by_kind = run_cli("dead", "list", "--kind", "other", *APP, env=db.env())
-    assert by_kind.stdout.strip() == "no dead jobs of kind 'other'"
+    by_kind = run_cli("dead", "list", "--kind", "noop", *APP, env=db.env())
+    assert by_kind.stdout.strip() == "no dead jobs of kind 'noop'"
+    unknown = run_cli("dead", "list", "--kind", "other", *APP, env=db.env())  # neither the app's nor the table's
+    assert_clean_error(unknown, 2, "--kind 'other' matches nothing")
 
 
 def test_dead_retry_by_id_kind_and_all(db: Database) -> None:
