@@ -163,7 +163,7 @@ def test_tables_missing_says_how_to_create_them(db: Database) -> None:
     ("url", "code", "fragment"),
     [
         ("postgresql+psycopg://postgres@127.0.0.1:1/test", 1, "cannot reach the database"),
-        ("sqlite:////nonexistent-dir/sub/jobs.db", 1, "cannot reach the database"),
+        ("sqlite:////nonexistent-dir/sub/jobs.db", 2, "no database at /nonexistent-dir/sub/jobs.db"),
         ("not a url", 2, "is not a database URL"),
         ("postgresql://u@localhost:port/db", 2, "is not a database URL"),
         ("mysql://u@localhost/db", 2, "supports PostgreSQL and SQLite, not 'mysql'"),
