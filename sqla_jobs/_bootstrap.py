@@ -19,11 +19,11 @@ from sqlalchemy import Engine, create_engine, make_url, select
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
-from .drivers import normalise_url
-from .errors import ConfigError, ConnectionProblem
+from .drivers import driver_class, normalise_url
+from .errors import ConfigError, ConnectionProblem, SchemaError
 from .queue import JobQueue
 
-__all__ = ["database_url", "load_app", "make_engine", "worker_pool_size"]
+__all__ = ["database_url", "load_app", "make_engine", "missing_database", "worker_pool_size"]
 
 
 def load_app(spec: str | None) -> JobQueue[Any, Any]:
@@ -85,14 +85,29 @@ def database_url(raw: str | None) -> URL:
         raise ConfigError(f"--url: {exc}") from None
 
 
-def make_engine(raw: str | None, pool_size: int | None = None) -> Engine:
+def missing_database(url: URL) -> str | None:
+    """Where ``url``'s database would be if it does not exist yet and connecting would create it."""
+    return driver_class(url.get_backend_name()).missing_database(url)
+
+
+def make_engine(raw: str | None, pool_size: int | None = None, *, create: bool = False) -> Engine:
     """An engine for ``--url`` that answered a ``SELECT 1``.
 
     ``pool_size``: connections the caller may hold at once (a worker: ``worker_pool_size``).
+    ``create``: the command creates the database (``create-tables``); every other one needs
+    existing tables, so an SQLite file that does not exist is refused before connecting
+    (which would leave an empty file behind, e.g. for a typo in the path).
     """
     url = database_url(raw)
+    missing = None if create else missing_database(url)
+    if missing is not None:
+        raise SchemaError(
+            f"no database at {missing}: check --url (a typo in the path?), or create the tables with "
+            "`sqla-jobs create-tables --url ... --app ...`"
+        )
+    url, connect_args = driver_class(url.get_backend_name()).connect_args(url)
     try:
-        engine = create_engine(url, **({"pool_size": pool_size} if pool_size else {}))
+        engine = create_engine(url, connect_args=connect_args, **({"pool_size": pool_size} if pool_size else {}))
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigError(f"--url {url.render_as_string()!r}: {exc}") from None
     try:

@@ -1,11 +1,13 @@
 """``sqla-jobs migrations``: the job tables in your alembic history (needs ``sqla-jobs[alembic]``).
 
-``migrations render --app module:queue [--alembic-ini PATH] [--url URL]``
+``migrations render [--app module:queue] [--alembic-ini PATH] [--url URL]``
     Write a revision into your versions folder, on top of your current head.
     Without a database it creates both job tables and their indexes; with
-    ``--url`` (or ``SQLA_JOBS_URL``) it renders exactly what that database
-    lacks compared with this sqla-jobs version, or writes nothing when it is
-    up to date. Then run ``alembic upgrade head``.
+    ``--url`` (or ``SQLA_JOBS_URL``, or ``sqlalchemy.url`` in alembic.ini) it
+    renders exactly what that database lacks compared with this sqla-jobs
+    version, or writes nothing when it is up to date. The app is ``--app``,
+    ``SQLA_JOBS_APP`` or ``sqla_jobs.app`` in alembic.ini. Then run
+    ``alembic upgrade head``.
 ``migrations init DIR [--alembic-ini PATH]``
     ``alembic init`` with the sqla-jobs template (env.py already wired).
 ``migrations template-path``
@@ -15,6 +17,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import logging
 import os
 from collections.abc import Callable
@@ -36,13 +40,36 @@ def _alembic() -> Any:
     return support
 
 
+def _from_ini(ini: str, key: str) -> str | None:
+    """A setting of the ``[alembic]`` section of ``ini`` (None when the file or the key is missing)."""
+    if not Path(ini).is_file():
+        return None
+    from alembic.config import Config
+
+    value = Config(ini).get_main_option(key)
+    return value.strip() if value and value.strip() else None
+
+
 def cmd_render(args: argparse.Namespace) -> int:
-    from ._bootstrap import load_app, make_engine
+    from ._bootstrap import database_url, load_app, make_engine, missing_database
 
     support = _alembic()
-    queue = load_app(args.app)
-    if args.url:
-        engine = make_engine(args.url)
+    # What `migrations init` tells the user to set: --app, else SQLA_JOBS_APP, else sqla_jobs.app in
+    # alembic.ini; --url, else SQLA_JOBS_URL, else sqlalchemy.url there (`--url ""`: no database).
+    spec = args.app or _from_ini(args.alembic_ini, "sqla_jobs.app")
+    if not spec:
+        raise ConfigError(f"no app given: pass --app module:attr, set SQLA_JOBS_APP, or set sqla_jobs.app "
+                          f"in {args.alembic_ini} naming your JobQueue")
+    queue = load_app(spec)
+    raw = args.url
+    if raw is None:
+        raw = _from_ini(args.alembic_ini, "sqlalchemy.url")
+        if raw is not None and "driver://" in raw:  # alembic's own placeholder: not set
+            raw = None
+    if raw and missing_database(database_url(raw)) is not None:
+        raw = None  # an SQLite file not created yet lacks everything: render the creation, leave no empty file
+    if raw:
+        engine = make_engine(raw)
         with engine.connect() as conn:
             result = support.render_revision(queue, args.alembic_ini, connection=conn, message=args.message)
         engine.dispose()
@@ -68,11 +95,14 @@ def cmd_init(args: argparse.Namespace) -> int:
     if ini.exists():
         raise ConfigError(f"{ini} already exists: this folder already has an alembic project")
     try:
-        command.init(Config(str(ini)), args.directory, template=str(support.template_dir()))
+        # Without alembic's own "Creating ... done" lines (not all of which its quiet option silences):
+        # the one line below says what was made and what to do next.
+        with contextlib.redirect_stdout(io.StringIO()):
+            command.init(Config(str(ini)), args.directory, template=str(support.template_dir()))
     except CommandError as exc:
         raise ConfigError(str(exc)) from None
-    print(f"set sqla_jobs.app (your JobQueue) and sqlalchemy.url in {ini}, then: "
-          "sqla-jobs migrations render && alembic upgrade head")
+    print(f"created {args.directory}/ and {ini}: set sqla_jobs.app (your JobQueue) and sqlalchemy.url in {ini}, "
+          "then: sqla-jobs migrations render && alembic upgrade head")
     return 0
 
 

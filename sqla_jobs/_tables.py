@@ -21,12 +21,17 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]
         from rich.console import Console
         from rich.table import Table
 
+        class _Console(Console):
+            def on_broken_pipe(self) -> None:
+                # rich would exit 1 on its own; the CLI's main handles a closed pipe once, for every command.
+                raise BrokenPipeError
+
         table = Table(title=title, title_justify="left")
         for header in headers:
             table.add_column(header, overflow="fold")
         for row in rows:
             table.add_row(*row)
-        Console(soft_wrap=False).print(table)
+        _Console(soft_wrap=False).print(table)
         return
     widths = [max(len(str(c)) for c in column) for column in zip(headers, *rows, strict=True)]
     print(title)

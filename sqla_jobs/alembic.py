@@ -62,6 +62,7 @@ finds your models through ``sqla_jobs.app`` in ``alembic.ini`` (or
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import logging
 import os
@@ -338,7 +339,8 @@ def render_revision(
             f"no alembic config at {str(ini)!r}: pass --alembic-ini PATH, or start a project with "
             "`sqla-jobs migrations init migrations`"
         )
-    config = Config(str(ini))
+    # quiet: alembic would print its own "Generating ... done" line beside the caller's summary.
+    config = Config(str(ini), cmd_opts=argparse.Namespace(quiet=True))
     try:
         script_dir = ScriptDirectory.from_config(config)
     except CommandError as exc:  # e.g. script_location missing or not a folder

@@ -6,14 +6,15 @@ those that need your models and handlers take ``--app module:attr`` (or
 import path, as with ``python -m``.
 
 Exit status: 0 success, 1 the command ran and found a problem (unreachable
-database, failing health check), 2 bad usage or configuration. Errors are
-one readable line, never a traceback.
+database, failing health check), 2 bad usage or configuration, 141 the
+output's reader went away (``| head``). Errors are one readable line, never a
+traceback. Here: ``main``, the parser and the worker; the admin commands are
+in ``_cli_admin``, ``migrations`` in ``_cli_migrations``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -22,21 +23,33 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.orm import Session
 
+from . import __version__
 from ._bootstrap import load_app, make_engine, worker_pool_size
+from ._cli_admin import (
+    cmd_create_tables,
+    cmd_dead_list,
+    cmd_dead_purge,
+    cmd_dead_retry,
+    cmd_dead_show,
+    cmd_health,
+    cmd_jobs_cancel,
+    cmd_jobs_list,
+    cmd_jobs_retry,
+    cmd_jobs_show,
+    cmd_prune,
+    cmd_stats,
+)
 from ._cli_migrations import add_migrations_parser
-from ._durations import format_duration, parse_duration
+from ._durations import parse_duration
 from ._lost import hand_back
 from ._models import STATES
-from ._stats import stats_tables
-from ._tables import print_table
-from .errors import ConfigError, ConnectionProblem, NotFound, SchemaError, SqlaJobsError
+from .errors import ConfigError, ConnectionProblem, SqlaJobsError
 from .queue import JobQueue
 from .web._cli import add_dashboard_parser
 from .worker import Worker
@@ -183,215 +196,10 @@ def _without_options(argv: list[str], *names: str) -> list[str]:
     return out
 
 
-def _open(args: argparse.Namespace) -> tuple[JobQueue[Any, Any], Engine]:
-    queue = load_app(args.app)
-    engine = make_engine(args.url)
-    queue.check_schema(engine)
-    return queue, engine
-
-
-def _row_dict(row: Any) -> dict[str, Any]:
-    return dict(row._mapping)
-
-
-def _print_json(data: Any) -> None:
-    print(json.dumps(data, indent=2, default=str))
-
-
-def _first_line(text: str | None, width: int = 80) -> str:
-    return (text or "").splitlines()[0][:width] if text else ""
-
-
-def cmd_create_tables(args: argparse.Namespace) -> int:
-    queue = load_app(args.app)
-    engine = make_engine(args.url)
-    queue.create_tables(engine)
-    names = ", ".join(m.__table__.fullname for m in (queue.job_model, queue.dead_model))  # type: ignore[attr-defined]
-    print(f"tables ready: {names}")
-    return 0
-
-
-def cmd_dead_list(args: argparse.Namespace) -> int:
-    queue, engine = _open(args)
-    since = parse_duration(args.since) if args.since else None
-    with Session(engine) as session:
-        rows = queue.list_dead(session, kind=args.kind, since=since, limit=args.limit)
-    if args.json:
-        _print_json([_dead_dict(r) for r in rows])
-        return 0
-    if not rows:
-        print("no dead jobs" + (f" of kind {args.kind!r}" if args.kind else ""))
-        return 0
-    print_table(
-        f"{len(rows)} dead job(s), latest failure first",
-        ["id", "kind", "queue", "attempts", "failed at", "last error"],
-        [[str(r.id), r.kind, r.queue, str(r.attempts), str(r.failed_at)[:19], _first_line(r.last_error, 80)]
-         for r in rows],
-    )
-    return 0
-
-
-def _dead_dict(r: Any) -> dict[str, Any]:
-    return {c: r._mapping[c] for c in ("id", "kind", "queue", "payload", "attempts", "max_attempts",
-                                        "failed_at", "last_error", "errors")}
-
-
-def cmd_dead_retry(args: argparse.Namespace) -> int:
-    if not (args.ids or args.kind or args.all):
-        raise ConfigError("dead retry needs job ids, --kind KIND or --all")
-    queue, engine = _open(args)
-    with Session(engine) as session, session.begin():
-        moved = queue.requeue_dead(session, ids=args.ids or None, kind=args.kind, everything=args.all)
-    print(f"requeued {len(moved)} job(s)" + (f": {', '.join(map(str, moved))}" if moved else ""))
-    return 0
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from ._bench import run_bench
 
     return run_bench(args)
-
-
-# -- stats, jobs, dead-letter admin, prune, health (docs/howto/operations.md) ----------
-
-
-def cmd_stats(args: argparse.Namespace) -> int:
-    queue, engine = _open(args)
-    window = parse_duration(args.window)
-    while True:
-        stats = queue.stats(engine, window=window)
-        if args.json:
-            print(json.dumps(stats.to_dict()), flush=True)
-        else:
-            if args.watch is not None and sys.stdout.isatty():
-                print("\033[2J\033[H", end="")  # clear the screen between refreshes
-            for title, headers, rows in stats_tables(stats):
-                print_table(title, headers, rows)
-            sys.stdout.flush()
-        if args.watch is None:
-            return 0
-        time.sleep(args.watch)
-
-
-def cmd_jobs_list(args: argparse.Namespace) -> int:
-    queue, engine = _open(args)
-    with Session(engine) as session:
-        rows = queue.list_jobs(session, kind=args.kind, state=args.state, queue=args.queue, limit=args.limit)
-    if args.json:
-        _print_json([_row_dict(r) for r in rows])
-        return 0
-    if not rows:
-        print("no jobs match")
-        return 0
-    print_table(
-        f"{len(rows)} job(s), newest first",
-        ["id", "kind", "queue", "state", "attempts", "run at", "last error"],
-        [[str(r.id), r.kind, r.queue, r.state, f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
-          _first_line(r.last_error, 60)] for r in rows],
-    )
-    return 0
-
-
-def _show(row: Any, state: str, as_json: bool) -> None:
-    data = _row_dict(row)
-    data.setdefault("state", state)
-    if as_json:
-        _print_json(data)
-        return
-    errors = data.pop("errors", None) or []
-    payload = data.pop("payload", None)
-    width = max(len(k) for k in data)
-    for key, value in data.items():
-        if key == "last_error" and value and "\n" in str(value):
-            value = str(value).splitlines()[0] + " …"
-        print(f"{key:<{width}}  {'' if value is None else value}")
-    print(f"{'payload':<{width}}  {json.dumps(payload, indent=2, default=str)}")
-    print(f"errors ({len(errors)}):" if errors else "errors: none")
-    for entry in errors:
-        print(f"  attempt {entry.get('attempt')} at {entry.get('at')}: {entry.get('error')}")
-
-
-def cmd_jobs_show(args: argparse.Namespace) -> int:
-    queue, engine = _open(args)
-    with Session(engine) as session:
-        row = queue.get_job(session, args.id)
-        if row is None:
-            row = queue.get_dead(session, args.id)
-            if row is None:
-                raise NotFound(f"no job with id {args.id}")
-            _show(row, "dead", args.json)
-            return 0
-    _show(row, row.state, args.json)
-    return 0
-
-
-def cmd_jobs_cancel(args: argparse.Namespace) -> int:
-    queue, engine = _open(args)
-    with Session(engine) as session, session.begin():
-        result = queue.cancel(session, args.id)
-    if result == "cancelled":
-        print(f"job {args.id} cancelled: it will not run")
-    else:
-        print(f"job {args.id} is running: cancellation recorded; it ends cancelled unless this run succeeds")
-    return 0
-
-
-def cmd_jobs_retry(args: argparse.Namespace) -> int:
-    queue, engine = _open(args)
-    with Session(engine) as session, session.begin():
-        queue.retry_now(session, args.id)
-    print(f"job {args.id} is due now")
-    return 0
-
-
-def cmd_dead_show(args: argparse.Namespace) -> int:
-    queue, engine = _open(args)
-    with Session(engine) as session:
-        row = queue.get_dead(session, args.id)
-        if row is None:
-            alive = queue.get_job(session, args.id)
-            hint = f": it is in the jobs table ({alive.state}); see `sqla-jobs jobs show {args.id}`" if alive else ""
-            raise NotFound(f"no dead job with id {args.id}{hint}")
-    _show(row, "dead", args.json)
-    return 0
-
-
-def cmd_dead_purge(args: argparse.Namespace) -> int:
-    queue, engine = _open(args)
-    older_than = parse_duration(args.older_than)
-    with Session(engine) as session, session.begin():
-        count = queue.purge_dead(session, older_than=older_than, kind=args.kind)
-    print(f"purged {count} dead job(s) that failed more than {format_duration(older_than)} ago")
-    return 0
-
-
-def cmd_prune(args: argparse.Namespace) -> int:
-    queue, engine = _open(args)
-    older_than = parse_duration(args.finished_older_than)
-    count = queue.prune(engine, older_than=older_than, batch_size=args.batch_size)
-    print(f"pruned {count} finished or cancelled job(s) older than {format_duration(older_than)}")
-    return 0
-
-
-def cmd_health(args: argparse.Namespace) -> int:
-    limit = parse_duration(args.max_oldest_age)
-    try:
-        queue, engine = _open(args)
-        stats = queue.stats(engine, run_times=False)
-    except (ConnectionProblem, SchemaError) as exc:
-        print(f"UNHEALTHY: {exc}")
-        return 1
-    except DBAPIError as exc:
-        print(f"UNHEALTHY: database error: {str(exc.orig or exc).strip().splitlines()[0]}")
-        return 1
-    age = stats.oldest_pending_age
-    summary = f"{stats.ready} ready, {stats.scheduled} scheduled, {stats.running} running, {stats.dead_total} dead"
-    if age is not None and age > limit:
-        print(f"UNHEALTHY: the oldest pending job has waited {format_duration(age)} "
-              f"(limit {format_duration(limit)}); {summary}")
-        return 1
-    print(f"OK: oldest pending job waited {format_duration(age or 0.0)} (limit {format_duration(limit)}); {summary}")
-    return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -401,6 +209,40 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # -- parser --------------------------------------------------------------------
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default after its help, unless the help already names it. Never
+    ``--url``'s: it comes from ``SQLA_JOBS_URL`` and may hold a password."""
+
+    hidden = frozenset({"url", "app", "help", "version"})
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if (action.default in (None, False, argparse.SUPPRESS) or action.dest in self.hidden
+                or "default" in text or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command parser: the same help layout."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
+
+def iter_commands(
+    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser, str]]:
+    """Every subcommand below ``parser``, depth first: (its words, its parser, its one-line help)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                yield (*path, name), sub, helps.get(name, "")
+                yield from iter_commands(sub, (*path, name))
 
 
 def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
@@ -416,18 +258,41 @@ def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
     return parse
 
 
+def _not_negative(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {raw}")
+    return value
+
+
 def _common(p: argparse.ArgumentParser, app: bool = True) -> None:
     p.add_argument("--url", default=os.environ.get("SQLA_JOBS_URL"),
-                   help="database URL (env SQLA_JOBS_URL), e.g. postgresql+psycopg://user@host/db")
+                   help="database URL (env SQLA_JOBS_URL), e.g. postgresql+psycopg://user@host/db; "
+                        "add ?prepare_threshold=none behind PgBouncer in transaction mode")
     if app:
         p.add_argument("--app", default=os.environ.get("SQLA_JOBS_APP"),
                        help="your JobQueue as module:attr (env SQLA_JOBS_APP)")
 
 
+def _json_flag(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--json", action="store_true", help=f"print {what} as JSON instead of a table")
+
+
+def _job_id(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("id", type=int, metavar="ID", help=what)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sqla-jobs", description="A job queue in your SQLAlchemy database.")
+    parser = _Parser(prog="sqla-jobs", description="A job queue in your SQLAlchemy database.",
+                     epilog="`sqla-jobs COMMAND --help` describes each command; docs/reference/cli.md has them all.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print the version of sqla-jobs and exit")
     parser.add_argument("--log-level", default=os.environ.get("SQLA_JOBS_LOG_LEVEL", "INFO"),
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="how much the command logs (env SQLA_JOBS_LOG_LEVEL)")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("worker", help="claim and run jobs until stopped")
@@ -435,10 +300,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", type=int, default=4, help="handler threads (default 4)")
     p.add_argument("--burst", action="store_true", help="run every due job, then exit 0")
     p.add_argument("--queues", help="comma-separated queue names to take jobs from (default: all)")
-    p.add_argument("--lease", type=float, default=60.0, help="seconds a claim lasts without a heartbeat")
-    p.add_argument("--heartbeat", type=float, default=None, help="seconds between heartbeats (default lease/3)")
-    p.add_argument("--poll-interval", type=float, default=1.0, help="seconds between polls when idle")
-    p.add_argument("--grace", type=float, default=30.0, help="seconds running jobs get to finish on SIGTERM")
+    p.add_argument("--lease", type=_positive(float), default=60.0,
+                   help="seconds a claim lasts without a heartbeat")
+    p.add_argument("--heartbeat", type=_positive(float), default=None,
+                   help="seconds between heartbeats (default lease/3)")
+    p.add_argument("--poll-interval", type=_positive(float), default=1.0, help="seconds between polls when idle")
+    p.add_argument("--grace", type=_not_negative, default=30.0, help="seconds running jobs get to finish on SIGTERM")
     p.add_argument("--no-listen", action="store_true", help="poll only (e.g. behind PgBouncer)")
     p.add_argument("--processes", type=int, default=1,
                    help="worker processes, each with --concurrency threads (default 1)")
@@ -456,30 +323,30 @@ def build_parser() -> argparse.ArgumentParser:
     _common(p)
     p.set_defaults(func=cmd_create_tables)
 
-    dead = sub.add_parser("dead", help="inspect and requeue dead-lettered jobs")
+    dead = sub.add_parser("dead", help="inspect, requeue and purge dead-lettered jobs")
     dsub = dead.add_subparsers(dest="dead_command", required=True, metavar="COMMAND")
-    p = dsub.add_parser("list", help="list dead jobs, newest first")
+    p = dsub.add_parser("list", help="list dead jobs, latest failure first")
     _common(p)
-    p.add_argument("--kind")
+    p.add_argument("--kind", help="only dead jobs of this kind")
     p.add_argument("--since", metavar="AGE", help="only jobs that failed within AGE (e.g. 1h, 2d)")
-    p.add_argument("--limit", type=_positive(int), default=50)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--limit", type=_positive(int), default=50, help="show at most this many")
+    _json_flag(p, "an array of dead jobs, with payloads and error histories,")
     p.set_defaults(func=cmd_dead_list)
     p = dsub.add_parser("show", help="one dead job: payload and every error")
     _common(p)
-    p.add_argument("id", type=int, metavar="ID")
-    p.add_argument("--json", action="store_true")
+    _job_id(p, "the dead job's id (as in `dead list`)")
+    _json_flag(p, "the dead job")
     p.set_defaults(func=cmd_dead_show)
     p = dsub.add_parser("purge", help="delete dead jobs that failed before a given age")
     _common(p)
     p.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 30d, 12h, 15m, 90s")
-    p.add_argument("--kind")
+    p.add_argument("--kind", help="only dead jobs of this kind")
     p.set_defaults(func=cmd_dead_purge)
     p = dsub.add_parser("retry", help="move dead jobs back to the queue (attempts reset)")
     _common(p)
-    p.add_argument("ids", nargs="*", type=int, metavar="ID")
-    p.add_argument("--kind")
-    p.add_argument("--all", action="store_true")
+    p.add_argument("ids", nargs="*", type=int, metavar="ID", help="ids of dead jobs to requeue")
+    p.add_argument("--kind", help="requeue every dead job of this kind")
+    p.add_argument("--all", action="store_true", help="requeue every dead job")
     p.set_defaults(func=cmd_dead_retry)
 
     p = sub.add_parser("bench", help="measure enqueue, drain and pickup latency on a scratch schema or file")
@@ -489,9 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--processes", type=int, default=2, help="worker processes for the drain (default 2)")
     p.add_argument("--batch-size", type=int, default=100, help="most jobs one claim takes (default 100)")
     p.add_argument("--runs", type=int, default=3, help="repeat and report medians (default 3)")
-    p.add_argument("--latency-samples", type=int, default=200)
+    p.add_argument("--latency-samples", type=int, default=200,
+                   help="jobs enqueued one at a time to measure pickup latency")
     p.add_argument("--finished-rows", type=int, default=0, help="pre-fill with this many finished jobs")
-    p.add_argument("--json", action="store_true")
+    _json_flag(p, "the figures")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
     _common(p)
@@ -505,24 +373,24 @@ def build_parser() -> argparse.ArgumentParser:
     jsub = jobs.add_subparsers(dest="jobs_command", required=True, metavar="COMMAND")
     p = jsub.add_parser("list", help="jobs, newest first")
     _common(p)
-    p.add_argument("--kind")
-    p.add_argument("--state", choices=STATES)
-    p.add_argument("--queue")
-    p.add_argument("--limit", type=_positive(int), default=50)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--kind", help="only jobs of this kind")
+    p.add_argument("--state", choices=STATES, help="only jobs in this state")
+    p.add_argument("--queue", help="only jobs in this queue")
+    p.add_argument("--limit", type=_positive(int), default=50, help="show at most this many")
+    _json_flag(p, "an array of jobs")
     p.set_defaults(func=cmd_jobs_list)
     p = jsub.add_parser("show", help="every field of one job, its payload and error history")
     _common(p)
-    p.add_argument("id", type=int, metavar="ID")
-    p.add_argument("--json", action="store_true")
+    _job_id(p, "the job's id (a dead job's too)")
+    _json_flag(p, "the job")
     p.set_defaults(func=cmd_jobs_show)
     p = jsub.add_parser("cancel", help="a pending job never runs; a running one is cancelled at its end")
     _common(p)
-    p.add_argument("id", type=int, metavar="ID")
+    _job_id(p, "the id of the job to cancel")
     p.set_defaults(func=cmd_jobs_cancel)
     p = jsub.add_parser("retry", help="make a pending (scheduled) job due now")
     _common(p)
-    p.add_argument("id", type=int, metavar="ID")
+    _job_id(p, "the id of the pending job")
     p.set_defaults(func=cmd_jobs_retry)
 
     p = sub.add_parser("prune", help="delete old finished and cancelled jobs, in small batches")
@@ -543,6 +411,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")
     p.set_defaults(func=cmd_demo)
+
+    for _path, command, summary in iter_commands(parser):
+        if not command.description:  # `sqla-jobs COMMAND --help` starts with what the command does
+            command.description = summary[:1].upper() + summary[1:] + "."
     return parser
 
 
@@ -553,7 +425,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
-        return func(args)
+        status = func(args)
+        sys.stdout.flush()  # here, so a closed pipe is seen now and not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # The reader went away (`sqla-jobs jobs list | head`): stop quietly, like any Unix filter.
+        # stdout goes to devnull so Python's flush at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ConnectionProblem as exc:
         print(f"sqla-jobs: {exc}", file=sys.stderr)
         return 1

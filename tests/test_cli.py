@@ -107,8 +107,10 @@ def test_dead_list_text_and_json(db: Database) -> None:
     assert item["payload"] == {"message": "fail broke"}
     assert item["last_error"] == "ValueError: fail broke"
     assert [e["attempt"] for e in item["errors"]] == [1]
-    by_kind = run_cli("dead", "list", "--kind", "other", *APP, env=db.env())
-    assert by_kind.stdout.strip() == "no dead jobs of kind 'other'"
+    by_kind = run_cli("dead", "list", "--kind", "noop", *APP, env=db.env())
+    assert by_kind.stdout.strip() == "no dead jobs of kind 'noop'"
+    unknown = run_cli("dead", "list", "--kind", "other", *APP, env=db.env())  # neither the app's nor the table's
+    assert_clean_error(unknown, 2, "--kind 'other' matches nothing")
 
 
 def test_dead_retry_by_id_kind_and_all(db: Database) -> None:
@@ -161,7 +163,7 @@ def test_tables_missing_says_how_to_create_them(db: Database) -> None:
     ("url", "code", "fragment"),
     [
         ("postgresql+psycopg://postgres@127.0.0.1:1/test", 1, "cannot reach the database"),
-        ("sqlite:////nonexistent-dir/sub/jobs.db", 1, "cannot reach the database"),
+        ("sqlite:////nonexistent-dir/sub/jobs.db", 2, "no database at /nonexistent-dir/sub/jobs.db"),
         ("not a url", 2, "is not a database URL"),
         ("postgresql://u@localhost:port/db", 2, "is not a database URL"),
         ("mysql://u@localhost/db", 2, "supports PostgreSQL and SQLite, not 'mysql'"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sqlite3
 import subprocess
 import sys
 import time
@@ -313,6 +314,7 @@ def test_health(db: Database) -> None:
 
 
 def test_health_when_the_tables_are_missing(tmp_path: Any) -> None:
+    sqlite3.connect(tmp_path / "empty.db").execute("CREATE TABLE other (x INTEGER)").connection.close()
     result = run_cli("health", *APP, "--max-oldest-age", "15m", "--url", f"sqlite:///{tmp_path / 'empty.db'}")
     assert result.returncode == 1
     assert result.stdout.startswith("UNHEALTHY: table 'jobs' does not exist")

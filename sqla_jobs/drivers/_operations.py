@@ -234,6 +234,14 @@ class Operations:
             stmt = stmt.where(d.c.failed_at >= self.ago(since))
         return list(conn.execute(stmt))
 
+    def distinct(self, conn: Connection, column: str, *, dead: bool = False, limit: int = 100) -> list[str]:
+        """The distinct values of ``column`` (``kind``, ``queue``) in the jobs (or dead-letter) table, sorted.
+
+        No index covers them: the admin commands ask only when a filter matched nothing or may be a typo.
+        """
+        c = (self.dead if dead else self.jobs).c[column]
+        return list(conn.scalars(select(c).distinct().order_by(c).limit(limit)))
+
     def cancel(self, conn: Connection, job_id: int) -> tuple[bool, str | None]:
         """Cancel a job. Returns (changed, the state the job had): ``(True, "pending")`` it
         is now cancelled and will never run; ``(True, "running")`` the request is recorded in

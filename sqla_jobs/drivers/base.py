@@ -136,6 +136,16 @@ class Driver(Operations):
         return url
 
     @classmethod
+    def connect_args(cls, url: URL) -> tuple[URL, dict[str, Any]]:
+        """``url`` less the query settings sqla-jobs reads itself, and the ``connect()`` arguments they mean."""
+        return url, {}
+
+    @classmethod
+    def missing_database(cls, url: URL) -> str | None:
+        """Where ``url``'s database would be if it does not exist and connecting would create it (a file)."""
+        return None
+
+    @classmethod
     def attach_table_events(cls, table: Table) -> None:
         """Hook DDL that must follow ``CREATE TABLE`` of a jobs table (e.g. a wake-up trigger)."""
 

@@ -43,6 +43,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.schema import CreateSchema
 from sqlalchemy.sql.elements import ColumnElement
 
+from ..errors import ConfigError
 from . import pg_keepalive
 from .base import Claimed, Driver, Fence, IndexDefinition
 
@@ -169,6 +170,38 @@ class PostgreSQLDriver(Driver):
         if url.drivername in ("postgresql", "postgres"):
             return url.set(drivername="postgresql+psycopg")  # psycopg 3 is our dependency, psycopg2 is not
         return url
+
+    @classmethod
+    def connect_args(cls, url: URL) -> tuple[URL, dict[str, Any]]:
+        """``?prepare_threshold=none`` (or a number): psycopg's own setting, which its URL cannot carry.
+
+        psycopg prepares a statement on the server once a connection has run it
+        ``prepare_threshold`` times (5); the worker's claim statement gets there
+        within seconds. Behind PgBouncer in transaction mode (before 1.21's
+        ``max_prepared_statements``) the next transaction may run on another
+        server connection, which lacks the statement: ``prepared statement
+        "_pg3_0" does not exist``. ``none`` turns preparing off for every
+        connection of the engine, the hot path's included.
+        """
+        raw = url.query.get("prepare_threshold")
+        if raw is None:
+            return url, {}
+        if isinstance(raw, tuple):
+            raise ConfigError("--url: give prepare_threshold once")
+        if url.get_driver_name() != "psycopg":
+            raise ConfigError(f"--url: prepare_threshold is a setting of psycopg 3, not of {url.get_driver_name()}")
+        value: int | None
+        if raw.strip().lower() in ("none", "null", "off", ""):
+            value = None
+        else:
+            try:
+                value = int(raw)
+            except ValueError:
+                value = -1
+            if value < 0:
+                raise ConfigError(f"--url: prepare_threshold={raw!r} must be none (never prepare, for PgBouncer "
+                                  "in transaction mode) or a count of executions >= 0") from None
+        return url.difference_update_query(["prepare_threshold"]), {"prepare_threshold": value}
 
     @classmethod
     def attach_table_events(cls, table: Table) -> None:

@@ -66,6 +66,14 @@ class SQLiteDriver(Driver):
     # -- class level ---------------------------------------------------------------
 
     @classmethod
+    def missing_database(cls, url: URL) -> str | None:
+        database = url.database
+        if not database or database == ":memory:" or database.startswith("file:") or url.query.get("uri"):
+            return None  # in memory, or a URI filename whose mode decides: nothing to check
+        path = os.path.abspath(database)
+        return None if os.path.exists(path) else path
+
+    @classmethod
     def index_sql(cls, conn: Connection, schema: str | None, table: str) -> dict[str, str | None]:
         """Name and ``CREATE INDEX`` text of each index of ``table`` (None: an automatic index)."""
         query = text(f"SELECT name, sql FROM {_master(schema)} WHERE type = 'index' AND tbl_name = :t")

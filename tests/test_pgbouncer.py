@@ -1,0 +1,157 @@
+"""Workers behind a real PgBouncer in transaction pooling mode (issue 12, point 10).
+
+The test starts PgBouncer itself (Debian's package, ``apt-get install pgbouncer``; ``.ci/run``
+installs it) on a free port in front of the test server, with a small server pool handed out round
+robin (``server_round_robin``), so a client's consecutive transactions run on different server
+connections, as they do under load in production. psycopg prepares a statement once a
+connection has run it five times; in transaction mode the next transaction may land on a server
+connection without it (``prepared statement "_pg3_0" does not exist``). With
+``?prepare_threshold=none`` in the URL nothing is prepared and workers drain cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import Engine, create_engine, insert, make_url, text
+
+from tests import app
+from tests.conftest import IN_CI, PG_URL, ROOT, require_postgres
+from tests.helpers import count
+
+PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture
+def bouncer() -> Iterator[tuple[str, str]]:
+    """(URL through PgBouncer, direct URL) of a fresh database; PgBouncer in transaction mode in front."""
+    require_postgres()
+    if not os.path.exists(PGBOUNCER):
+        if IN_CI:
+            pytest.fail("pgbouncer is not installed: .ci/run installs it (apt-get install -y pgbouncer)")
+        pytest.skip("pgbouncer is not installed (apt-get install -y pgbouncer)")
+    base = make_url(PG_URL)
+    name = f"sqla_jobs_pgb_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    # PgBouncer refuses to run as root: it runs as postgres, which cannot enter pytest's private tmp_path.
+    folder = Path(tempfile.mkdtemp(prefix="sqla-jobs-pgbouncer-"))
+    folder.chmod(0o777)  # its log and pid file go here
+    port = free_port()
+    (folder / "userlist.txt").write_text(f'"{base.username}" ""\n')
+    (folder / "pgbouncer.ini").write_text(f"""\
+[databases]
+jobs = host={base.host} port={base.port or 5432} dbname={name} user={base.username}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {folder / 'userlist.txt'}
+pool_mode = transaction
+default_pool_size = 4
+server_round_robin = 1
+max_client_conn = 200
+logfile = {folder / 'pgbouncer.log'}
+pidfile = {folder / 'pgbouncer.pid'}
+""")
+    command = [PGBOUNCER, str(folder / "pgbouncer.ini")]
+    if os.geteuid() == 0:
+        command = ["runuser", "-u", "postgres", "--", *command]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    log = (folder / "pgbouncer.log").read_text() if (folder / "pgbouncer.log").exists() else ""
+                    raise RuntimeError(f"pgbouncer did not start: {process.stdout.read() if process.stdout else ''}"
+                                       f"{log}") from None
+                time.sleep(0.1)
+        through = base.set(port=port, database="jobs").render_as_string(hide_password=False)
+        direct = base.set(database=name).render_as_string(hide_password=False)
+        yield through, direct
+    finally:
+        process.terminate()
+        process.wait(10)
+        shutil.rmtree(folder, ignore_errors=True)
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def start_workers(url: str, processes: int) -> list[subprocess.Popen[str]]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
+    env["PYTHONPATH"] = str(ROOT)
+    argv = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--url", url, "--app", "tests.app:queue",
+            "--no-listen", "--burst", "--concurrency", "4", "--poll-interval", "0.05"]
+    return [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            for _ in range(processes)]
+
+
+def enqueue_noops(direct: str, jobs: int) -> Engine:
+    engine = create_engine(direct)
+    app.queue.create_tables(engine)
+    with engine.begin() as conn:
+        conn.execute(insert(app.Job.__table__), [{"kind": "noop", "payload": {"n": i}} for i in range(jobs)])
+    return engine
+
+
+@pytest.mark.slow
+def test_workers_drain_through_pgbouncer_transaction_mode(bouncer: tuple[str, str]) -> None:
+    through, direct = bouncer
+    engine = enqueue_noops(direct, 600)
+    workers = start_workers(f"{through}?prepare_threshold=none", 3)
+    logs = [w.communicate(timeout=240)[0] for w in workers]
+    for worker, log in zip(workers, logs, strict=True):
+        assert worker.returncode == 0, log
+        problems = [line for line in log.splitlines() if " WARNING " in line or " ERROR " in line
+                    or "Traceback" in line or "prepared statement" in line]
+        assert problems == [], "\n".join(problems)
+    assert count(engine, app.Job, app.Job.state == "finished") == 600
+    assert sum(log.count(" noop attempt 1/5 ") for log in logs) == 600  # each job ran once, first time
+    engine.dispose()
+
+
+@pytest.mark.slow
+def test_without_the_setting_pgbouncer_breaks_prepared_statements(bouncer: tuple[str, str]) -> None:
+    """The failure the setting prevents is real on this set-up (so the test above proves the fix)."""
+    through, direct = bouncer
+    engine = enqueue_noops(direct, 600)
+    workers = start_workers(through, 3)
+    logs = [w.communicate(timeout=240)[0] for w in workers]
+    assert any("prepared statement" in log for log in logs), "\n".join(logs)[-3000:]
+    engine.dispose()
+
+
+def test_prepare_threshold_in_the_url_is_checked(tmp_path: Path) -> None:
+    from tests.conftest import run_cli
+    from tests.test_cli import assert_clean_error, clean_env
+
+    bad = run_cli("jobs", "list", "--app", "tests.app:queue", "--url",
+                  "postgresql+psycopg://u@127.0.0.1:1/db?prepare_threshold=sometimes", env=clean_env())
+    assert_clean_error(bad, 2, "prepare_threshold='sometimes' must be none")
+    other = run_cli("jobs", "list", "--app", "tests.app:queue", "--url",
+                    "postgresql+psycopg2://u@127.0.0.1:1/db?prepare_threshold=none", env=clean_env())
+    assert_clean_error(other, 2, "prepare_threshold is a setting of psycopg 3")
