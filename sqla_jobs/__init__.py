@@ -4,9 +4,11 @@ Jobs are rows in your own tables, enqueued in your own transactions and run
 by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 """
 
+from ._app import JobEvent, JobQueue
 from ._backoff import Backoff
 from ._context import JobContext, current_job
 from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
+from ._stats import DeadLetters, QueueLength, QueueStats, RunTime
 from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
     ConfigError,
@@ -19,7 +21,6 @@ from .errors import (
     SchemaError,
     SqlaJobsError,
 )
-from .queue import JobEvent, JobQueue
 from .worker import Worker
 
 __version__ = "0.1.0"
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "ConnectionProblem",
     "DeadJobMixin",
+    "DeadLetters",
     "InvalidJob",
     "JobCancel",
     "JobContext",
@@ -41,6 +43,9 @@ __all__ = [
     "JobSnooze",
     "JobStateError",
     "NotFound",
+    "QueueLength",
+    "QueueStats",
+    "RunTime",
     "SchemaError",
     "SqlaJobsError",
     "Worker",
