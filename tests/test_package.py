@@ -42,6 +42,19 @@ def test_public_names_are_pinned() -> None:
     assert sqla_jobs.__all__ == PUBLIC
 
 
+#: What the app object offers. The split into a registry half and an operations half
+#: (sqla_jobs/_registry.py, sqla_jobs/_admin.py) must not change it.
+APP_METHODS = [
+    "cancel", "check_job", "check_schema", "create_tables", "driver", "emit", "enqueue", "enqueue_many",
+    "get_dead", "get_job", "handler", "list_dead", "list_jobs", "listens", "off", "on", "prune", "purge_dead",
+    "requeue_dead", "retry_delay", "retry_now", "stats", "unknown_kind_message",
+]
+
+
+def test_the_app_offers_its_pinned_methods() -> None:
+    assert sorted(name for name in dir(sqla_jobs.JobQueue) if not name.startswith("_")) == APP_METHODS
+
+
 def test_every_public_name_is_importable_and_documented() -> None:
     namespace: dict[str, object] = {}
     exec(f"from sqla_jobs import {', '.join(PUBLIC)}", namespace)
