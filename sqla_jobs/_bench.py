@@ -39,11 +39,11 @@ from sqlalchemy import Engine, MetaData, create_engine, func, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Session
 
-from ._app import JobQueue
 from ._backoff import Backoff
 from ._bootstrap import make_engine, worker_pool_size
 from ._models import DeadJobMixin, JobMixin
 from .drivers import driver_class
+from .queue import JobQueue
 from .worker import Worker
 
 __all__ = ["run_bench"]
@@ -107,7 +107,7 @@ def _count_unfinished(engine: Engine) -> int:
 
 
 def _fill_finished(engine: Engine, rows: int) -> None:
-    """Old finished jobs, as a jobs table that has not been pruned would have."""
+    """Old finished jobs, as a queue that has not been pruned would have."""
     with engine.begin() as conn:
         queue.driver(conn).bench_fill_finished(conn, rows)
 

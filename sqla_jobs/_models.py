@@ -63,7 +63,7 @@ from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, PayloadType
 from .drivers import attach_table_events
 from .errors import InvalidJob
 
-__all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin", "add_enqueue_check"]
+__all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin"]
 
 MAX_KIND_LENGTH = 255
 MAX_QUEUE_LENGTH = 64
@@ -82,21 +82,6 @@ _NOW = text("CURRENT_TIMESTAMP")  # the database clock, on every backend
 _NULL = text("NULL")
 
 
-#: The enqueue-time checks of each model: every ``JobQueue(model, ...)`` adds its public
-#: ``check_job`` here, and the flush of a new row calls those of its class and its bases.
-#: Kept here rather than as an attribute on the user's model class.
-_ENQUEUE_CHECKS: dict[type[Any], list[Callable[[Any], None]]] = {}
-
-
-def add_enqueue_check(model: type[Any], check: Callable[[Any], None]) -> None:
-    """Have ``check(job)`` called for every new ``model`` row (and rows of its subclasses) before its INSERT."""
-    _ENQUEUE_CHECKS.setdefault(model, []).append(check)
-
-
-def _enqueue_checks(model: type[Any]) -> list[Callable[[Any], None]]:
-    return [check for cls in model.__mro__ for check in _ENQUEUE_CHECKS.get(cls, ())]
-
-
 def _tz() -> DateTime:
     return DateTime(timezone=True)
 
@@ -110,6 +95,21 @@ def _utc(name: str, value: datetime | None) -> datetime | None:
     if value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
     return value.astimezone(timezone.utc)
+
+
+#: The enqueue-time checks of each model: every ``JobQueue(model, ...)`` adds its public
+#: ``check_job`` here, and the flush of a new row calls those of its class and its bases.
+#: Kept here rather than as an attribute on the user's model class.
+_ENQUEUE_CHECKS: dict[type[Any], list[Callable[[Any], None]]] = {}
+
+
+def add_enqueue_check(model: type[Any], check: Callable[[Any], None]) -> None:
+    """Have ``check(job)`` called for every new ``model`` row (and rows of its subclasses) before its INSERT."""
+    _ENQUEUE_CHECKS.setdefault(model, []).append(check)
+
+
+def _enqueue_checks(model: type[Any]) -> list[Callable[[Any], None]]:
+    return [check for cls in model.__mro__ for check in _ENQUEUE_CHECKS.get(cls, ())]
 
 
 def check_row(model: type[JobMixin], row: Mapping[str, Any]) -> dict[str, Any]:
@@ -236,7 +236,7 @@ class JobMixin(_Common):
 
     @classmethod
     def job_indexes(cls) -> list[Index]:
-        """The indexes sqla-jobs needs, named after this class's table."""
+        """The indexes the queue needs, named after this class's table."""
         name = cls.__tablename__  # type: ignore[attr-defined]
         return [
             # The claim: due jobs, most urgent and oldest first, in index order
@@ -268,7 +268,7 @@ class JobMixin(_Common):
 
     @classmethod
     def table_args(cls, *extra: Any, **options: Any) -> Any:
-        """``__table_args__`` with sqla-jobs' indexes plus your own items and options."""
+        """``__table_args__`` with the queue's indexes plus your own items and options."""
 
         def build(target: type[JobMixin]) -> Any:
             return (*target.job_indexes(), *extra, {"sqlite_autoincrement": True, **options})

@@ -29,7 +29,6 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
-from ._app import JobQueue
 from ._bootstrap import load_app, make_engine, worker_pool_size
 from ._cli_migrations import add_migrations_parser
 from ._durations import format_duration, parse_duration
@@ -38,6 +37,7 @@ from ._models import STATES
 from ._stats import stats_tables
 from ._tables import print_table
 from .errors import ConfigError, ConnectionProblem, NotFound, SchemaError, SqlaJobsError
+from .queue import JobQueue
 from .worker import Worker
 
 __all__ = ["main"]

@@ -1,8 +1,10 @@
-"""Internal, temporary: the old import path of ``JobQueue`` and ``JobEvent``, now in ``_app``/``_registry``.
+"""Internal, temporary: the old import path of ``JobQueue`` and ``JobEvent``, now ``_app`` / ``_registry``.
 
-Only ``worker.py`` and ``_lost.py`` still import from here, as they are
-being split in a parallel branch; when that lands they import ``._app`` and
-this module is deleted. Users import from ``sqla_jobs``.
+The modules that other branches of the restructuring also edit (the worker,
+the CLI, bootstrap, bench, demo, the package ``__init__``) still import from
+here, so those branches merge without conflicts. Once they have landed, one
+commit switches every ``from .queue import`` to ``from ._app import`` and
+deletes this module. Users import from ``sqla_jobs``.
 """
 
 from ._app import EVENTS, Handler, JobEvent, JobQueue
