@@ -7,6 +7,7 @@ by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 from ._backoff import Backoff
 from ._context import JobContext, current_job
 from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
+from ._stats import DeadLetters, QueueLength, QueueStats, RunTime
 from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
     ConfigError,
@@ -32,6 +33,7 @@ __all__ = [
     "ConfigError",
     "ConnectionProblem",
     "DeadJobMixin",
+    "DeadLetters",
     "InvalidJob",
     "JobCancel",
     "JobContext",
@@ -41,6 +43,9 @@ __all__ = [
     "JobSnooze",
     "JobStateError",
     "NotFound",
+    "QueueLength",
+    "QueueStats",
+    "RunTime",
     "SchemaError",
     "SqlaJobsError",
     "Worker",

@@ -1,4 +1,4 @@
-"""How ``sqla_jobs.alembic`` compares the queue's own indexes and defaults (its ``configure_options``).
+"""How ``sqla_jobs.alembic`` compares sqla-jobs' own indexes and defaults (its ``configure_options``).
 
 alembic misjudges the job tables' partial and expression indexes, so they are
 taken out of its comparison (``include_object``) and compared here: existence,
@@ -30,7 +30,7 @@ IncludeObject = Callable[[Any, "str | None", str, bool, Any], bool]
 
 
 def job_tables() -> Iterator[tuple[Table, set[str]]]:
-    """Each mapped JobMixin / DeadJobMixin table imported so far, with the names of the queue's indexes on it."""
+    """Each mapped JobMixin / DeadJobMixin table imported so far, with the names of sqla-jobs' indexes on it."""
     seen: set[type] = set()
     stack: list[type] = [JobMixin, DeadJobMixin]
     while stack:
@@ -47,7 +47,7 @@ def job_tables() -> Iterator[tuple[Table, set[str]]]:
 
 
 def _our_index_names(table: Table) -> set[str]:
-    """The queue's own index names on ``table`` (matched by schema and name), or none."""
+    """sqla-jobs' own index names on ``table`` (matched by schema and name), or none."""
     for job_table, names in job_tables():
         if job_table.name == table.name and job_table.schema == table.schema:
             return names
@@ -55,7 +55,7 @@ def _our_index_names(table: Table) -> set[str]:
 
 
 def _leave_our_indexes_to_us(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
-    """include_object: alembic misjudges the queue's partial and expression indexes; our comparator owns them."""
+    """include_object: alembic misjudges sqla-jobs' partial and expression indexes; our comparator owns them."""
     return not (type_ == "index" and name in _our_index_names(obj.table))
 
 

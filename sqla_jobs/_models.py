@@ -41,7 +41,7 @@ no ``\\u0000`` or lone surrogates, string keys, no tuples, 64-bit ints, at most
 ``max_attempts`` at least 1.
 
 If you need ``__table_args__`` of your own (a schema, extra indexes), build
-them with ``JobMixin.table_args(...)`` so the queue's own indexes stay::
+them with ``JobMixin.table_args(...)`` so sqla-jobs' own indexes stay::
 
     class Job(JobMixin, Base):
         __tablename__ = "jobs"
@@ -50,7 +50,7 @@ them with ``JobMixin.table_args(...)`` so the queue's own indexes stay::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any, ClassVar
 
@@ -95,6 +95,21 @@ def _utc(name: str, value: datetime | None) -> datetime | None:
     if value.tzinfo is None:
         return value.replace(tzinfo=timezone.utc)
     return value.astimezone(timezone.utc)
+
+
+#: The enqueue-time checks of each model: every ``JobQueue(model, ...)`` adds its public
+#: ``check_job`` here, and the flush of a new row calls those of its class and its bases.
+#: Kept here rather than as an attribute on the user's model class.
+_ENQUEUE_CHECKS: dict[type[Any], list[Callable[[Any], None]]] = {}
+
+
+def add_enqueue_check(model: type[Any], check: Callable[[Any], None]) -> None:
+    """Have ``check(job)`` called for every new ``model`` row (and rows of its subclasses) before its INSERT."""
+    _ENQUEUE_CHECKS.setdefault(model, []).append(check)
+
+
+def _enqueue_checks(model: type[Any]) -> list[Callable[[Any], None]]:
+    return [check for cls in model.__mro__ for check in _ENQUEUE_CHECKS.get(cls, ())]
 
 
 def check_row(model: type[JobMixin], row: Mapping[str, Any]) -> dict[str, Any]:
@@ -303,8 +318,8 @@ def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> N
     # the text is kept for the INSERT, so this is the job's only encoding.
     payload = target.payload
     _payload.remember(target, payload, _payload.encode(payload, type(target).max_payload_bytes))
-    for queue in getattr(type(target), "__sqla_jobs_queues__", ()):
-        queue._check_kind_known(target.kind)
+    for check in _enqueue_checks(type(target)):
+        check(target)
 
 
 @event.listens_for(JobMixin, "instrument_class", propagate=True)

@@ -1,4 +1,4 @@
-"""The four figures that tell whether a queue is healthy, from ``queue.stats(engine)``.
+"""The four figures that tell whether an app's queues are healthy, from ``queue.stats(engine)``.
 
 ::
 

@@ -24,7 +24,7 @@ predicate. Add our options to both ``context.configure(...)`` calls in your
         **configure_options(target_metadata),
     )
 
-This adds a ``render_item`` for the JSONB types, takes the queue's own
+This adds a ``render_item`` for the JSONB types, takes sqla-jobs' own
 indexes away from alembic's index comparison (``include_object``) and
 compares them itself (existence, columns with their order, ``WHERE``
 predicate), compares the job tables' server defaults, and, when your tables live in named PostgreSQL schemas, looks into
@@ -92,7 +92,7 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
 
-    from .queue import JobQueue
+    from ._app import JobQueue
 
 __all__ = [
     "Rendered",
@@ -208,7 +208,7 @@ class Rendered:
 
 
 def _job_metadata(queue: JobQueue[Any, Any]) -> MetaData:
-    """A MetaData holding copies of just the queue's two tables (not the rest of the app)."""
+    """A MetaData holding copies of just the app's two tables (not the rest of the app)."""
     metadata = MetaData()
     for model in (queue.job_model, queue.dead_model):
         model.__table__.to_metadata(metadata)  # type: ignore[attr-defined]

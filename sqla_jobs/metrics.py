@@ -1,4 +1,4 @@
-"""Prometheus metrics for a queue: ``pip install "sqla-jobs[prometheus]"``.
+"""Prometheus metrics for an app (its jobs and queues): ``pip install "sqla-jobs[prometheus]"``.
 
 From the command line::
 
@@ -45,9 +45,9 @@ from typing import Any
 
 from sqlalchemy import Engine
 
+from ._app import JobEvent, JobQueue
 from ._stats import QueueLength, QueueStats
 from .errors import ConfigError
-from .queue import JobEvent, JobQueue
 
 try:
     from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram, start_http_server
@@ -119,7 +119,7 @@ class QueueMetrics:
             self.registry.register(self._collectors[0])
 
     def detach(self) -> None:
-        """Stop counting this queue's events and drop the collectors from the registry."""
+        """Stop counting this app's events and drop the collectors from the registry."""
         for event in _COUNTED:
             self.queue.off(event, self._on_event)
         for collector in (*self._counters.values(), self.run_seconds, *self._collectors):
@@ -142,7 +142,7 @@ class QueueMetrics:
             try:
                 cached = self.queue.stats(self.engine, run_times=False)
             except Exception as exc:  # a scrape must not crash the worker; the gauges just go missing
-                log.warning("metrics: could not read queue stats: %s", str(exc).splitlines()[0])
+                log.warning("metrics: could not read the stats: %s", str(exc).splitlines()[0])
                 cached = None
             self._cached = (time.monotonic(), cached)
             return cached

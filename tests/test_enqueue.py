@@ -199,3 +199,68 @@ def test_check_kinds_false_accepts_unknown_kinds(db: Database) -> None:
     with Session(db.engine) as session, session.begin():
         session.add(SmallJob(kind="not_registered", payload={}))
     assert count(db.engine, SmallJob, SmallJob.kind == "not_registered") == 1
+
+
+class RuledBase(DeclarativeBase):
+    pass
+
+
+class RuledJob(JobMixin, RuledBase):
+    __tablename__ = "ruled_jobs"
+
+
+class RuledDead(DeadJobMixin, RuledBase):
+    __tablename__ = "ruled_dead_jobs"
+
+
+class TenantRule(JobQueue[RuledJob, RuledDead]):
+    """An app with a rule of its own, through the public enqueue-time hook."""
+
+    seen: ClassVar[list[tuple[str, str | None, dict[str, Any]]]] = []
+
+    def check_job(self, job: Any) -> None:
+        super().check_job(job)
+        TenantRule.seen.append((job.kind, job.queue, job.payload))
+        if "tenant" not in job.payload:
+            raise InvalidJob(f"Job.payload: a {job.kind!r} job needs a tenant")
+
+
+ruled = TenantRule(RuledJob, RuledDead)
+
+
+@ruled.handler("bill")
+def bill(payload: dict[str, Any]) -> None:
+    pass
+
+
+def test_check_job_is_the_enqueue_time_hook_on_every_path(db: Database) -> None:
+    RuledBase.metadata.create_all(db.engine)
+    TenantRule.seen.clear()
+    # session.add: refused at flush, with the caller's business rows.
+    with pytest.raises(InvalidJob, match="needs a tenant"), Session(db.engine) as session, session.begin():
+        session.add(RuledJob(kind="bill", payload={"amount": 3}))
+    # enqueue_many: the same rule, one bad item refuses the whole call.
+    with pytest.raises(InvalidJob, match="needs a tenant"), Session(db.engine) as session, session.begin():
+        ruled.enqueue_many(session, [{"kind": "bill", "payload": {"tenant": 1}}, {"kind": "bill", "queue": "eu"}])
+    assert count(db.engine, RuledJob) == 0
+    # The default check still runs first (super()): an unknown kind is refused before the rule sees it.
+    with pytest.raises(InvalidJob, match="known kinds: bill"), Session(db.engine) as session, session.begin():
+        session.add(RuledJob(kind="bil", payload={"tenant": 1}))
+    with Session(db.engine) as session, session.begin():
+        session.add(RuledJob(kind="bill", queue="eu", payload={"tenant": 1}))
+        assert ruled.enqueue_many(session, [{"kind": "bill", "payload": {"tenant": 2}}]) == 1
+    assert count(db.engine, RuledJob) == 2
+    # The hook saw the decoded payload on both paths, and the queue as given (the view fills the default).
+    assert TenantRule.seen == [
+        ("bill", None, {"amount": 3}),
+        ("bill", "default", {"tenant": 1}),
+        ("bill", "eu", {}),
+        ("bill", "default", {"tenant": 2}),  # enqueue_many checks at the call; it flushes the session after
+        ("bill", "eu", {"tenant": 1}),
+    ]
+
+
+def test_the_model_class_is_not_written_on() -> None:
+    # The apps of a model are found through sqla_jobs' own bookkeeping, not an attribute set on the user's class.
+    assert not [name for name in vars(RuledJob) if "sqla_jobs" in name]
+    assert not [name for name in vars(app.Job) if "sqla_jobs" in name]

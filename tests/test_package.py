@@ -17,6 +17,7 @@ PUBLIC = [
     "ConfigError",
     "ConnectionProblem",
     "DeadJobMixin",
+    "DeadLetters",
     "InvalidJob",
     "JobCancel",
     "JobContext",
@@ -26,6 +27,9 @@ PUBLIC = [
     "JobSnooze",
     "JobStateError",
     "NotFound",
+    "QueueLength",
+    "QueueStats",
+    "RunTime",
     "SchemaError",
     "SqlaJobsError",
     "Worker",
@@ -36,6 +40,19 @@ PUBLIC = [
 def test_public_names_are_pinned() -> None:
     # Adding or removing a public name is an API change: update this list, docs/reference/api.md and the changelog.
     assert sqla_jobs.__all__ == PUBLIC
+
+
+#: What the app object offers. The split into a registry half and an operations half
+#: (sqla_jobs/_registry.py, sqla_jobs/_admin.py) must not change it.
+APP_METHODS = [
+    "cancel", "check_job", "check_schema", "create_tables", "driver", "emit", "enqueue", "enqueue_many",
+    "get_dead", "get_job", "handler", "list_dead", "list_jobs", "listens", "off", "on", "prune", "purge_dead",
+    "requeue_dead", "retry_delay", "retry_now", "stats", "unknown_kind_message",
+]
+
+
+def test_the_app_offers_its_pinned_methods() -> None:
+    assert sorted(name for name in dir(sqla_jobs.JobQueue) if not name.startswith("_")) == APP_METHODS
 
 
 def test_every_public_name_is_importable_and_documented() -> None:

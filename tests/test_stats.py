@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Connection, Engine, insert, select, text
 
+# Internal on purpose: the duration parser has no Python API (the CLI's --older-than/--since use it),
+# and percentile is the Python twin of PostgreSQL's percentile_cont, compared with it directly.
 from sqla_jobs._durations import format_duration, parse_duration
 from sqla_jobs._stats import percentile
 from sqla_jobs.errors import ConfigError

@@ -75,3 +75,22 @@ def test_no_module_outside_the_drivers_branches_on_a_dialect(path: Path) -> None
 def test_the_driver_package_is_where_the_differences_are() -> None:
     # The checker is not vacuous: the drivers themselves do branch on names (URL aliases, say).
     assert any(dialect_branches(p.read_text(encoding="utf-8")) for p in DRIVERS.glob("*.py"))
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module ``path`` imports, relative imports written with their leading dots."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.add("." * node.level + (node.module or ""))
+    return found
+
+
+def test_the_registry_half_of_the_app_touches_no_database() -> None:
+    # Handlers, hooks, retry policy and the enqueue check are plain Python; the database is
+    # the operations half's (sqla_jobs/_admin.py), through a driver.
+    imports = _imports(PACKAGE / "_registry.py")
+    assert not {name for name in imports if name.startswith(("sqlalchemy", ".drivers", "._admin", "._app"))}
+    assert {".drivers", "._models"} <= _imports(PACKAGE / "_admin.py")

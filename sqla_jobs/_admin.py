@@ -1,0 +1,228 @@
+"""The app's operations half: enqueue, inspect, cancel, retry, requeue, purge, prune, stats, tables.
+
+``JobQueue`` (``sqla_jobs._app``) is the registry of ``sqla_jobs._registry``
+plus these methods. Each one checks its arguments, asks the app's driver
+(``sqla_jobs.drivers``: every SQL statement lives there) to do the work on
+the caller's connection, and turns the driver's answer into a result or a
+clear error. Methods taking a ``Session`` run in the caller's transaction:
+nothing is committed here, except by ``prune`` and ``create_tables``, which
+take an ``Engine`` and commit their own transactions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.orm import Session
+
+from ._models import STATES, JobMixin, check_row
+from ._stats import QueueStats, collect
+from .drivers import Driver
+from .errors import ConfigError, JobStateError, NotFound
+
+__all__ = ["Admin"]
+
+J = TypeVar("J", bound=JobMixin)
+
+
+class Admin(Generic[J]):
+    """Admin operations on one jobs table and its dead-letter table (a mixin of ``JobQueue``)."""
+
+    job_model: type[J]
+
+    if TYPE_CHECKING:  # provided by JobQueue (sqla_jobs._app) and its registry half
+
+        def driver(self, bind: Engine | Connection) -> Driver: ...
+
+        def check_job(self, job: Any) -> None: ...
+
+    # -- tables ------------------------------------------------------------------
+
+    def create_tables(self, engine: Engine) -> None:
+        """Create the two tables (and their PostgreSQL schema) and their indexes if missing; for apps without alembic.
+
+        Existing tables are not altered otherwise: a column added by a newer
+        sqla-jobs needs a migration (see docs/howto/migrations.md).
+        """
+        with engine.begin() as conn:
+            self.driver(conn).create(conn)
+        self.driver(engine).prepare(engine)
+
+    def check_schema(self, engine: Engine) -> None:
+        """Raise ``SchemaError`` saying what to run when the tables are missing or out of date."""
+        with engine.connect() as conn:
+            self.driver(conn).check_schema(conn)
+
+    # -- enqueue, in the caller's transaction ----------------------------------------
+
+    def enqueue(self, session: Session, kind: str, payload: dict[str, Any] | None = None, **fields: Any) -> J:
+        """Add a job to ``session`` (same as ``session.add(Job(...))``) and return it."""
+        job = self.job_model(kind=kind, payload={} if payload is None else payload, **fields)
+        session.add(job)
+        return job
+
+    def enqueue_many(self, session: Session, jobs: Iterable[Mapping[str, Any]]) -> int:
+        """Insert many jobs fast, in ``session``'s transaction; returns how many.
+
+        Each item is a mapping with ``kind`` and optionally ``payload``,
+        ``queue``, ``priority``, ``max_attempts`` and ``run_at``, checked
+        exactly like ``Job(...)`` (``check_job`` included): one bad item fails
+        the call before anything is written. PostgreSQL loads them with COPY.
+        No ORM objects are made, so ids are not returned; use
+        ``session.add_all`` when you need them.
+        """
+        rows = []
+        for item in jobs:
+            row = check_row(self.job_model, item)  # the payload comes back encoded, once
+            self.check_job(SimpleNamespace(**{**row, "payload": item.get("payload", {})}))
+            rows.append(row)
+        session.flush()  # keep the order of jobs added earlier in this session
+        conn = session.connection()
+        self.driver(conn).insert_many(conn, rows)
+        return len(rows)
+
+    # -- reads -------------------------------------------------------------------
+
+    def stats(
+        self, bind: Session | Engine | Connection, *, window: float = 3600.0, run_times: bool = True
+    ) -> QueueStats:
+        """Queue lengths, oldest pending age, dead letters and run times; see docs/howto/monitoring.md."""
+        with _connection(bind) as conn:
+            return collect(self.driver(conn), conn, window, run_times=run_times)
+
+    def get_job(self, session: Session, job_id: int) -> Any:
+        """The job's row (all columns), or None. Reads the table, not the session's identity map."""
+        conn = session.connection()
+        return self.driver(conn).get_job(conn, job_id)
+
+    def get_dead(self, session: Session, job_id: int) -> Any:
+        """The dead job's row (all columns), or None."""
+        conn = session.connection()
+        return self.driver(conn).get_dead(conn, job_id)
+
+    def list_jobs(
+        self,
+        session: Session,
+        *,
+        kind: str | None = None,
+        state: str | None = None,
+        queue: str | None = None,
+        limit: int = 50,
+    ) -> list[Any]:
+        """Jobs newest first, filtered by kind / state / queue name."""
+        if state is not None and state not in STATES:
+            raise ConfigError(f"unknown state {state!r}; choose from {', '.join(STATES)}")
+        conn = session.connection()
+        return self.driver(conn).list_jobs(conn, kind=kind, state=state, queue=queue, limit=limit)
+
+    def list_dead(
+        self, session: Session, *, kind: str | None = None, since: float | None = None, limit: int = 50
+    ) -> list[Any]:
+        """Dead jobs, latest failure first; ``since``: only those that failed within that many seconds."""
+        conn = session.connection()
+        return self.driver(conn).list_dead(conn, kind=kind, since=since, limit=limit)
+
+    # -- changes, in the caller's transaction -------------------------------------------
+
+    def cancel(self, session: Session, job_id: int) -> str:
+        """Cancel a job, in the caller's transaction.
+
+        Returns ``"cancelled"`` for a pending job (it will never run) or
+        ``"requested"`` for a running one: ``cancelled_at`` is recorded and
+        honoured when the run ends. A run that then fails (even its last
+        attempt), times out, snoozes or loses its worker ends ``cancelled``, with
+        no retry or dead letter; a run that succeeds
+        ends ``finished`` (its work is done and cannot be undone), and keeps
+        ``cancelled_at`` as the record that the request came too late.
+        Raises NotFound, or JobStateError for a finished or cancelled job.
+        """
+        conn = session.connection()
+        changed, state = self.driver(conn).cancel(conn, job_id)
+        if state is None:
+            raise NotFound(self._not_found(conn, job_id))
+        if not changed:
+            raise JobStateError(f"job {job_id} is {state} already: there is nothing to cancel")
+        return "cancelled" if state == "pending" else "requested"
+
+    def retry_now(self, session: Session, job_id: int) -> None:
+        """Make a pending job (a retry in backoff, a delayed job) due now, in the caller's transaction."""
+        conn = session.connection()
+        result = self.driver(conn).retry_now(conn, job_id)
+        if result is None:
+            raise NotFound(self._not_found(conn, job_id))
+        if result != "pending":
+            hint = " (it is running now)" if result == "running" else ""
+            raise JobStateError(f"job {job_id} is {result}{hint}: only a pending job can be made due now")
+
+    def requeue_dead(
+        self, session: Session, *, ids: list[int] | None = None, kind: str | None = None, everything: bool = False
+    ) -> list[int]:
+        """Move dead jobs back to the jobs table: by ``ids``, by ``kind``, or ``everything``.
+
+        Attempts restart at 0; the error history stays. Returns the ids moved.
+        Raises NotFound when ``ids`` names a job that is not dead.
+        """
+        if ids is None and kind is None and not everything:
+            raise ConfigError("requeue_dead needs ids=, kind= or everything=True")
+        conn = session.connection()
+        moved = self.driver(conn).requeue_dead(conn, ids=ids, kind=kind)
+        if ids is not None:
+            missing = sorted(set(ids) - set(moved))
+            if missing:
+                raise NotFound(f"no dead job with id {', '.join(map(str, missing))}")
+        return moved
+
+    def purge_dead(self, session: Session, *, older_than: float, kind: str | None = None) -> int:
+        """Delete dead jobs that failed more than ``older_than`` seconds ago; returns how many."""
+        if older_than < 0:
+            raise ConfigError("older_than must be >= 0 seconds")
+        conn = session.connection()
+        return self.driver(conn).purge_dead(conn, older_than, kind)
+
+    def prune(
+        self, engine: Engine, *, older_than: float, batch_size: int = 1000, max_batches: int | None = None
+    ) -> int:
+        """Delete finished and cancelled jobs whose ``finished_at`` is older than ``older_than`` seconds.
+
+        Deletes ``batch_size`` rows per transaction, committing each, so it
+        never holds many row locks or a long transaction on a busy table; stops
+        after ``max_batches`` when given. Returns how many rows were deleted.
+        On PostgreSQL, when another process is pruning the same table it
+        returns at once (each batch takes a try-advisory lock).
+        """
+        if older_than < 0 or batch_size < 1:
+            raise ConfigError("prune needs older_than >= 0 seconds and batch_size >= 1")
+        driver = self.driver(engine)
+        deleted = batches = 0
+        while max_batches is None or batches < max_batches:
+            with driver.write(engine) as conn:
+                if not driver.prune_lock(conn):
+                    break
+                count = driver.prune_batch(conn, older_than, batch_size)
+            deleted += count
+            batches += 1
+            if count < batch_size:
+                break
+        return deleted
+
+    def _not_found(self, conn: Connection, job_id: int) -> str:
+        if self.driver(conn).get_dead(conn, job_id) is not None:
+            return f"job {job_id} is in the dead-letter table: see `sqla-jobs dead show {job_id}`"
+        return f"no job with id {job_id}"
+
+
+@contextmanager
+def _connection(bind: Session | Engine | Connection) -> Iterator[Connection]:
+    if isinstance(bind, Session):
+        yield bind.connection()
+    elif isinstance(bind, Connection):
+        yield bind
+    elif isinstance(bind, Engine):
+        with bind.connect() as conn:
+            yield conn
+    else:
+        raise ConfigError(f"expected a Session, Engine or Connection, got {type(bind).__name__}")

@@ -1,0 +1,84 @@
+"""The application object, ``JobQueue``: the registry of handlers and hooks plus the admin operations.
+
+::
+
+    queue = JobQueue(Job, DeadJob)
+
+    @queue.handler("send_email")
+    def send_email(payload: dict) -> None:
+        ...
+
+    @queue.handler("charge", timeout=30, backoff=Backoff(base=10), transactional=True)
+    def charge(payload: dict) -> None:
+        current_job().session.add(Payment(...))   # commits with the job's completion
+
+    @queue.on("dead_letter")
+    def count_dead(event: JobEvent) -> None:
+        statsd.incr("jobs.dead_letter", tags=[f"kind:{event.kind}"])
+
+Point a worker at it with ``sqla-jobs worker --app myapp.jobs:queue``. The
+variable is called ``queue`` by habit; the object is the *app* (see
+docs/glossary.md): a *queue* is the named lane a job is in.
+
+The class is two halves with one job each: ``_registry.Registry`` (handlers,
+hooks, retry policy, the enqueue-time ``check_job``; no database) and
+``_admin.Admin`` (enqueue_many, stats, cancel, requeue_dead, prune, ...; each
+a call to the driver). This module joins them and owns what both need: the
+two models and the driver per database.
+
+While an app with handlers exists for a model, adding a ``Job`` whose kind
+has no handler fails at flush with the list of known kinds, so a typo never
+reaches the table: the model calls ``check_job`` of each app made for it.
+Pass ``check_kinds=False`` when the process that enqueues does not import the
+handlers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+from sqlalchemy import Connection, Engine
+
+from ._admin import Admin
+from ._backoff import Backoff
+from ._models import DeadJobMixin, JobMixin, add_enqueue_check
+from ._registry import EVENTS, Handler, JobEvent, Registry
+from .drivers import Driver, driver_for
+from .errors import ConfigError
+
+__all__ = ["EVENTS", "Handler", "JobEvent", "JobQueue"]
+
+J = TypeVar("J", bound=JobMixin)
+D = TypeVar("D", bound=DeadJobMixin)
+
+
+class JobQueue(Registry, Admin[J], Generic[J, D]):
+    """The app: handlers and hooks for one jobs table and its dead-letter table, and the admin operations on them."""
+
+    def __init__(
+        self,
+        job_model: type[J],
+        dead_model: type[D],
+        *,
+        backoff: Backoff | None = None,
+        check_kinds: bool = True,
+    ) -> None:
+        if not (isinstance(job_model, type) and issubclass(job_model, JobMixin)):
+            raise ConfigError(f"JobQueue's first argument must be a JobMixin model, got {job_model!r}")
+        if not (isinstance(dead_model, type) and issubclass(dead_model, DeadJobMixin)):
+            raise ConfigError(f"JobQueue's second argument must be a DeadJobMixin model, got {dead_model!r}")
+        super().__init__(backoff=backoff, check_kinds=check_kinds)
+        self.job_model = job_model
+        self.dead_model = dead_model
+        self._drivers: dict[type[Any], Driver] = {}
+        add_enqueue_check(job_model, self.check_job)
+
+    def __repr__(self) -> str:
+        return f"<JobQueue {self.job_model.__name__}/{self.dead_model.__name__} kinds={sorted(self.handlers)}>"
+
+    def driver(self, bind: Engine | Connection) -> Driver:
+        """The database driver for this app's tables on ``bind``'s database (internal: see sqla_jobs.drivers)."""
+        key = type(bind.dialect)
+        if key not in self._drivers:
+            self._drivers[key] = driver_for(bind, self.job_model.__table__, self.dead_model.__table__)  # type: ignore[attr-defined]
+        return self._drivers[key]

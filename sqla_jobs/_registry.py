@@ -1,0 +1,161 @@
+"""The app's registry half: which handler runs which kind, the hooks, the retry policy, the enqueue check.
+
+``JobQueue`` (``sqla_jobs._app``) is this registry plus the admin operations
+of ``sqla_jobs._admin``. Nothing here touches the database: the worker asks
+it what to run (``handlers``), how long to wait before a retry
+(``retry_delay``) and whom to tell (``listens``/``emit``); the model asks it
+whether a new job may be written (``check_job``).
+
+Events (``app.on(name)``): ``started``, ``finished``, ``failed`` (a retry is
+scheduled), ``dead_letter``, ``cancelled``, ``snoozed``, ``lost`` (the worker
+lost its claim and discarded the result). A hook that raises is logged and
+ignored: it never fails a job.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from ._backoff import Backoff
+from .errors import ConfigError, InvalidJob
+
+__all__ = ["EVENTS", "Handler", "JobEvent", "Registry"]
+
+log = logging.getLogger("sqla_jobs")
+
+EVENTS = ("started", "finished", "failed", "dead_letter", "cancelled", "snoozed", "lost")
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class Handler:
+    """A registered handler and its per-kind options."""
+
+    kind: str
+    fn: Callable[..., Any]
+    timeout: float | None
+    backoff: Backoff | None
+    transactional: bool
+    is_async: bool
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """What a hook is told. ``duration`` (seconds) and ``error`` are set when known."""
+
+    name: str
+    id: int
+    kind: str
+    queue: str
+    attempt: int
+    max_attempts: int
+    duration: float | None = None
+    error: str | None = None
+
+
+class Registry:
+    """Handlers by kind, hooks by event, the default backoff and the enqueue-time check."""
+
+    def __init__(self, *, backoff: Backoff | None = None, check_kinds: bool = True) -> None:
+        self.backoff = backoff or Backoff()
+        self.check_kinds = check_kinds
+        self.handlers: dict[str, Handler] = {}
+        self._hooks: dict[str, list[Callable[[JobEvent], Any]]] = {name: [] for name in EVENTS}
+
+    # -- handlers ----------------------------------------------------------------
+
+    def handler(
+        self,
+        kind: str,
+        *,
+        timeout: float | None = None,
+        backoff: Backoff | None = None,
+        transactional: bool = False,
+    ) -> Callable[[F], F]:
+        """Register ``fn(payload)`` as the handler of ``kind``.
+
+        ``timeout`` (seconds): a run that takes longer counts as failed and its
+        late result is discarded. ``backoff`` overrides the app's retry
+        delays for this kind. ``transactional``: see ``current_job().session``.
+        ``async def`` handlers are run on an event loop in the worker thread.
+        """
+        if not isinstance(kind, str) or not kind.strip():
+            raise ConfigError(f"handler kind must be a non-empty string, got {kind!r}")
+        if timeout is not None and timeout <= 0:
+            raise ConfigError(f"handler {kind!r}: timeout must be > 0 seconds")
+
+        def register(fn: F) -> F:
+            if kind in self.handlers:
+                raise ConfigError(f"kind {kind!r} already has a handler: {self.handlers[kind].fn!r}")
+            is_async = inspect.iscoroutinefunction(fn)
+            if transactional and is_async:
+                raise ConfigError(f"handler {kind!r}: transactional handlers must be plain functions")
+            self.handlers[kind] = Handler(kind, fn, timeout, backoff, transactional, is_async)
+            return fn
+
+        return register
+
+    def retry_delay(self, kind: str, failures: int) -> float:
+        """Seconds to wait before the next run of a ``kind`` job that has failed ``failures`` times."""
+        handler = self.handlers.get(kind)
+        policy = handler.backoff if handler and handler.backoff else self.backoff
+        return policy.delay(failures)
+
+    def unknown_kind_message(self, kind: str) -> str:
+        known = ", ".join(sorted(self.handlers)) or "(none registered)"
+        return f"no handler for kind {kind!r}; known kinds: {known}. Register one with @queue.handler({kind!r})"
+
+    # -- the enqueue-time check ----------------------------------------------------
+
+    def check_job(self, job: Any) -> None:
+        """Refuse a new job before it is written: raise ``InvalidJob``.
+
+        Called for every job the app's model writes, after the fields are
+        checked: at flush for ``session.add(Job(...))`` (``job`` is that
+        ``Job``) and for each item of ``enqueue_many`` (``job`` is a view of
+        the item with the same attributes: ``kind``, ``queue``, ``payload``,
+        ``priority``, ``max_attempts``, ``run_at``). A field the caller did
+        not set may be None: the database default applies. The default check
+        refuses a kind that has no handler while the app has handlers and
+        ``check_kinds`` is true.
+        Override it in a subclass to add rules of your own, calling
+        ``super().check_job(job)``; it must check, not change, the job.
+        """
+        kind = job.kind
+        if self.check_kinds and self.handlers and kind not in self.handlers:
+            raise InvalidJob(f"Job.kind: {self.unknown_kind_message(kind)}, or pass check_kinds=False")
+
+    # -- hooks -------------------------------------------------------------------
+
+    def on(self, event: str) -> Callable[[F], F]:
+        """Register a hook ``fn(JobEvent)`` for one of ``EVENTS``."""
+        if event not in self._hooks:
+            raise ConfigError(f"unknown event {event!r}; choose from {', '.join(EVENTS)}")
+
+        def register(fn: F) -> F:
+            self._hooks[event].append(fn)
+            return fn
+
+        return register
+
+    def listens(self, event: str) -> bool:
+        """Whether any hook is registered for ``event`` (lets the worker skip building events)."""
+        return bool(self._hooks[event])
+
+    def off(self, event: str, fn: Callable[[JobEvent], Any]) -> None:
+        """Remove a hook added with ``on`` (no error if it is not there)."""
+        if fn in self._hooks.get(event, []):
+            self._hooks[event].remove(fn)
+
+    def emit(self, event: JobEvent) -> None:
+        """Call each hook of ``event.name``; one that raises is logged and skipped."""
+        for hook in self._hooks[event.name]:
+            try:
+                hook(event)
+            except Exception:
+                log.exception("hook %r for %s raised; ignored", hook, event.name)
