@@ -82,3 +82,9 @@ class JobQueue(Registry, Admin[J], Generic[J, D]):
         if key not in self._drivers:
             self._drivers[key] = driver_for(bind, self.job_model.__table__, self.dead_model.__table__)  # type: ignore[attr-defined]
         return self._drivers[key]
+
+    def dashboard(self, engine: Engine, **options: Any) -> Any:
+        """The web dashboard for this app, an ASGI app to mount (``sqla-jobs[web]``; see sqla_jobs.web)."""
+        from .web import dashboard  # Starlette is an extra: imported only when asked for
+
+        return dashboard(engine, self, **options)

@@ -210,3 +210,10 @@ def test_the_wheel_ships_the_templates_scripts_and_their_licences() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"sqla_jobs.web" = ["templates/*.html", "static/*"]' in pyproject  # package-data: wheels carry them
     assert '"sqla_jobs.drivers", "sqla_jobs.web"' in pyproject
+
+
+def test_the_app_object_mounts_its_own_dashboard(db: Database) -> None:
+    enqueue(db.engine, "noop")
+    page = TestClient(app.queue.dashboard(db.engine)).get("/")
+    assert page.status_code == 200
+    assert figure(page.text, "ready") == str(app.queue.stats(db.engine).ready) == "1"

@@ -45,7 +45,7 @@ def test_public_names_are_pinned() -> None:
 #: What the app object offers. The split into a registry half and an operations half
 #: (sqla_jobs/_registry.py, sqla_jobs/_admin.py) must not change it.
 APP_METHODS = [
-    "cancel", "check_job", "check_schema", "create_tables", "driver", "emit", "enqueue", "enqueue_many",
+    "cancel", "check_job", "check_schema", "create_tables", "dashboard", "driver", "emit", "enqueue", "enqueue_many",
     "get_dead", "get_job", "handler", "list_dead", "list_jobs", "listens", "off", "on", "prune", "purge_dead",
     "requeue_dead", "retry_delay", "retry_now", "stats", "unknown_kind_message",
 ]
