@@ -21,11 +21,14 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 
 from tests import app
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+#: The suite's own database, never a shared one such as ``test``: created on first use (see ``ensure_database``).
+TEST_DATABASE = "sqla_jobs_test"
+PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", f"postgresql+psycopg://postgres@127.0.0.1:5432/{TEST_DATABASE}")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 #: Every backend the suite runs on, by SQLAlchemy dialect name: the ``db`` fixture and the driver
@@ -34,8 +37,34 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 BACKENDS = ("sqlite", "postgresql")
 
 
-def _pg_available() -> str | None:
+def ensure_database(url: str) -> str | None:
+    """Create ``url``'s database from the server's ``postgres`` database if it is missing.
+
+    Returns a line saying what was created (shown in pytest's header), or None.
+    Nothing is ever dropped: each test works in a schema of its own inside it.
+    """
+    target = make_url(url)
+    admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
     try:
+        with admin.connect() as conn:
+            if conn.scalar(text("select 1 from pg_database where datname = :n"), {"n": target.database}):
+                return None
+            try:
+                conn.execute(text(f'CREATE DATABASE "{target.database}"'))
+            except DBAPIError:  # another test run created it a moment ago
+                if not conn.scalar(text("select 1 from pg_database where datname = :n"), {"n": target.database}):
+                    raise
+                return None
+    finally:
+        admin.dispose()
+    return f"sqla-jobs tests: created PostgreSQL database {target.database!r} on {target.host}:{target.port}"
+
+
+def _pg_available() -> str | None:
+    global _PG_CREATED
+    try:
+        if "SQLA_JOBS_TEST_PG_URL" not in os.environ:  # a URL given by hand is used as it is
+            _PG_CREATED = ensure_database(PG_URL)
         engine = create_engine(PG_URL)
         with engine.connect() as conn:
             conn.execute(text("select 1"))
@@ -45,7 +74,13 @@ def _pg_available() -> str | None:
         return str(exc).splitlines()[0]
 
 
+_PG_CREATED: str | None = None
 _PG_PROBLEM = _pg_available()
+
+
+def pytest_report_header() -> list[str]:
+    # Say loudly which database the suite writes to, and whether it just created it.
+    return [f"sqla-jobs tests: PostgreSQL at {make_url(PG_URL).render_as_string()}", *filter(None, [_PG_CREATED])]
 
 
 @dataclass
