@@ -6,6 +6,8 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import select
 from sqlalchemy.orm import DeclarativeBase, Session
 
@@ -142,3 +144,36 @@ def test_eager_runs_committed_jobs_at_commit_and_nothing_else(tdb: Database) -> 
         session.add(Job(kind="ok", payload={"n": 4}))
     assert done == [1, 11]  # outside eager a worker is needed again
     assert [e.kind for e in run_due(tdb.engine, queue).finished] == ["ok"] and done == [1, 11, 4]
+
+
+_memory = None
+
+
+def _memory_engine() -> Any:
+    global _memory
+    if _memory is None:
+        from sqlalchemy import create_engine
+
+        _memory = create_engine("sqlite://")
+        queue.create_tables(_memory)
+    return _memory
+
+
+# Text that payload validation accepts (no NUL, no lone surrogates): the matching is under test here.
+words = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=5)
+scalars = st.one_of(st.integers(-(2**53), 2**53), words, st.booleans(), st.none())
+
+
+@given(payload=st.dictionaries(words.filter(bool), scalars, max_size=6), data=st.data())
+@settings(max_examples=60, deadline=None)
+def test_a_dict_matches_exactly_the_payloads_holding_its_items(payload: dict[str, Any], data: Any) -> None:
+    subset = {k: payload[k] for k in data.draw(st.lists(st.sampled_from(sorted(payload)), unique=True))} \
+        if payload else {}
+    with Session(_memory_engine()) as session:
+        session.add(Job(kind="ok", payload=payload))  # never flushed: nothing is written
+        assert len(assert_enqueued(session, queue, "ok", subset)) == 1
+        extra = data.draw(words.filter(lambda k: k and k not in payload))
+        assert_enqueued(session, queue, "ok", {**subset, extra: 1}, count=0)
+        if subset:
+            key = sorted(subset)[0]
+            assert_enqueued(session, queue, "ok", {**subset, key: ["not", "equal"]}, count=0)
