@@ -33,6 +33,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session
 
+from .errors import ConfigError
 from .queue import EVENTS, JobEvent, JobQueue
 from .worker import Worker
 
@@ -76,6 +77,11 @@ class RunReport:
     @property
     def snoozed(self) -> list[JobEvent]:
         return self._named("snoozed")
+
+    @property
+    def lost(self) -> list[JobEvent]:
+        """Runs whose result was discarded because the worker lost its claim."""
+        return self._named("lost")
 
     @property
     def errors(self) -> list[str]:
@@ -203,7 +209,8 @@ class _Eager:
         if not session.info.pop(self.KEY, None) or self.running:
             return
         engine = self.engine or session.get_bind(self.queue.job_model)
-        assert isinstance(engine, Engine), "eager(queue, engine=...) needs an Engine when sessions bind to Connections"
+        if not isinstance(engine, Engine):
+            raise ConfigError("eager(queue) found a session bound to a Connection: pass eager(queue, engine=...)")
         self.running = True
         try:
             report = run_due(engine, self.queue)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sqlalchemy import select
 from sqlalchemy.orm import DeclarativeBase, Session
 
-from sqla_jobs import Backoff, DeadJobMixin, JobMixin, JobQueue
+from sqla_jobs import Backoff, ConfigError, DeadJobMixin, JobMixin, JobQueue
 from sqla_jobs.testing import JobsFailed, assert_enqueued, eager, make_due, run_due
 from tests.conftest import Database
 
@@ -177,3 +177,16 @@ def test_a_dict_matches_exactly_the_payloads_holding_its_items(payload: dict[str
         if subset:
             key = sorted(subset)[0]
             assert_enqueued(session, queue, "ok", {**subset, key: ["not", "equal"]}, count=0)
+
+
+def test_eager_with_sessions_bound_to_a_connection_needs_the_engine(tdb: Database) -> None:
+    with tdb.engine.connect() as conn:
+        with eager(queue), Session(bind=conn) as session:
+            session.add(Job(kind="ok", payload={"n": 1}))
+            with pytest.raises(ConfigError, match=r"pass eager\(queue, engine=\.\.\.\)"):
+                session.commit()
+        assert done == []
+        with eager(queue, engine=tdb.engine), Session(bind=conn) as session:
+            session.add(Job(kind="ok", payload={"n": 2}))
+            session.commit()
+        assert sorted(done) == [1, 2]  # the first job was committed all the same, and ran now
