@@ -11,7 +11,7 @@ Every page under docs/ is collected. Conventions of the docs, which this test en
 * ```text blocks show output, synopses or diagrams: not code;
 * any other block (code that needs a server, your own app, a package the tests do not install, or a
   config file for another tool) is preceded by ``<!-- not run: REASON -->`` on the line before its
-  fence; mkdocs renders nothing for it. An unmarked block that this test cannot run fails it.
+  fence (an HTML comment: the site does not show it). An unmarked block that this test cannot run fails it.
 
 The quickstart's files (``jobs.py``) are there for every page, as the how-tos say.
 """
@@ -38,7 +38,10 @@ SETUP = ("pip install ", "#")  # sh lines a page may show without the test runni
 
 def all_blocks(page: str) -> list[tuple[str, str, str | None]]:
     """(language, body, the reason it is not run or None) of every fenced block of ``page``."""
-    text = (DOCS / page).read_text()
+    return parse_blocks((DOCS / page).read_text())
+
+
+def parse_blocks(text: str) -> list[tuple[str, str, str | None]]:
     found = []
     for match in FENCE.finditer(text):
         before = text[: match.start()].rstrip().splitlines()
@@ -61,10 +64,10 @@ def runs(lang: str, body: str) -> bool:
     )
 
 
-def unrunnable(page: str) -> list[str]:
+def unrunnable(page: str, text: str | None = None) -> list[str]:
     """The blocks of ``page`` that are neither run, nor output, nor marked not run with a reason."""
     problems = []
-    for n, (lang, body, reason) in enumerate(all_blocks(page), 1):
+    for n, (lang, body, reason) in enumerate(parse_blocks(text) if text else all_blocks(page), 1):
         first = body.strip().splitlines()[0] if body.strip() else ""
         setup_only = lang == "sh" and all(ln.strip().startswith(SETUP) for ln in body.splitlines() if ln.strip())
         if reason is not None or lang == "text" or runs(lang, body) or setup_only:
@@ -109,13 +112,10 @@ def test_every_code_block_runs_or_says_why_not() -> None:
 
 def test_the_marker_is_seen() -> None:
     # The checker is not vacuous: a marked block is skipped, an unmarked one of the same kind is reported.
-    page = DOCS / "_probe.md"
-    try:
-        page.write_text("<!-- not run: needs a server -->\n```sql\nselect 1;\n```\n\n```sql\nselect 2;\n```\n")
-        assert [reason for _, _, reason in all_blocks("_probe.md")] == ["needs a server", None]
-        assert len(unrunnable("_probe.md")) == 1 and "select 2" in unrunnable("_probe.md")[0]
-    finally:
-        page.unlink()
+    text = "<!-- not run: needs a server -->\n```sql\nselect 1;\n```\n\n```sql\nselect 2;\n```\n```\nx\n```\n"
+    assert [reason for _, _, reason in parse_blocks(text)] == ["needs a server", None, None]
+    problems = unrunnable("probe.md", text)
+    assert len(problems) == 2 and "select 2" in problems[0] and "no language" in problems[1]
 
 
 @pytest.mark.parametrize("page", RUNNABLE)
