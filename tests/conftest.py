@@ -21,13 +21,11 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import DBAPIError
 
 from tests import app
+from tests.suite_database import TEST_DATABASE, ensure_database
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The suite's own database, never a shared one such as ``test``: created on first use (see ``ensure_database``).
-TEST_DATABASE = "sqla_jobs_test"
 PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", f"postgresql+psycopg://postgres@127.0.0.1:5432/{TEST_DATABASE}")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -35,29 +33,6 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 #: conformance suite (tests/drivers/) run once per name. A new backend adds its name here and a
 #: branch to ``make_database``; tests/drivers/ checks that every registered driver is listed.
 BACKENDS = ("sqlite", "postgresql")
-
-
-def ensure_database(url: str) -> str | None:
-    """Create ``url``'s database from the server's ``postgres`` database if it is missing.
-
-    Returns a line saying what was created (shown in pytest's header), or None.
-    Nothing is ever dropped: each test works in a schema of its own inside it.
-    """
-    target = make_url(url)
-    admin = create_engine(target.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            if conn.scalar(text("select 1 from pg_database where datname = :n"), {"n": target.database}):
-                return None
-            try:
-                conn.execute(text(f'CREATE DATABASE "{target.database}"'))
-            except DBAPIError:  # another test run created it a moment ago
-                if not conn.scalar(text("select 1 from pg_database where datname = :n"), {"n": target.database}):
-                    raise
-                return None
-    finally:
-        admin.dispose()
-    return f"sqla-jobs tests: created PostgreSQL database {target.database!r} on {target.host}:{target.port}"
 
 
 def _pg_available() -> str | None:

@@ -9,7 +9,8 @@ import uuid
 
 from sqlalchemy import create_engine, make_url, text
 
-from tests.conftest import PG_URL, ROOT, ensure_database, require_postgres
+from tests.conftest import PG_URL, ROOT, require_postgres
+from tests.suite_database import ensure_database
 
 
 def test_the_default_url_names_the_suites_own_database() -> None:
