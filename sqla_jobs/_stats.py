@@ -5,8 +5,8 @@
     s = queue.stats(engine)                  # or a Session / Connection
     s.ready, s.scheduled, s.running          # queue length
     s.oldest_pending_age                     # seconds the oldest due job has waited (None: none due)
-    s.dead_by_kind["send_email"].total       # dead letters by kind
-    s.run_time_by_kind["send_email"].p95     # run time by kind over the window (seconds)
+    s.dead_by_kind.get("send_email")         # dead letters by kind (None: that kind has none)
+    s.run_time_by_kind.get("send_email")     # run time by kind over the window (None: none finished)
     s.throughput                             # jobs finished per minute over the window
 
 1. **Queue length**, split into *ready* (due now, waiting for a worker),

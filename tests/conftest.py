@@ -23,9 +23,10 @@ from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.engine import URL
 
 from tests import app
+from tests.suite_database import TEST_DATABASE, ensure_database
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", f"postgresql+psycopg://postgres@127.0.0.1:5432/{TEST_DATABASE}")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 #: Every backend the suite runs on, by SQLAlchemy dialect name: the ``db`` fixture and the driver
@@ -35,7 +36,10 @@ BACKENDS = ("sqlite", "postgresql")
 
 
 def _pg_available() -> str | None:
+    global _PG_CREATED
     try:
+        if "SQLA_JOBS_TEST_PG_URL" not in os.environ:  # a URL given by hand is used as it is
+            _PG_CREATED = ensure_database(PG_URL)
         engine = create_engine(PG_URL)
         with engine.connect() as conn:
             conn.execute(text("select 1"))
@@ -45,7 +49,13 @@ def _pg_available() -> str | None:
         return str(exc).splitlines()[0]
 
 
+_PG_CREATED: str | None = None
 _PG_PROBLEM = _pg_available()
+
+
+def pytest_report_header() -> list[str]:
+    # Say loudly which database the suite writes to, and whether it just created it.
+    return [f"sqla-jobs tests: PostgreSQL at {make_url(PG_URL).render_as_string()}", *filter(None, [_PG_CREATED])]
 
 
 @dataclass

@@ -1,15 +1,19 @@
 """The code in docs/ runs as printed, so the guides cannot drift from the code.
 
-Conventions of the docs, which this test enforces:
+Every page under docs/ is collected. Conventions of the docs, which this test enforces:
 
 * a ```python block whose first line is ``# name.py`` is a file: it is written to ``name.py``;
 * every other ```python block of a page is part of one script, run top to bottom in a fresh folder;
 * in ```sh blocks, lines starting with ``python `` or ``sqla-jobs `` are run in order, after the files
-  are written; a ```text block right after such a block shows (part of) its output, and is checked;
-* ```py and ```shell blocks show code and commands that need a server or your own app: not run.
+  are written (``pip install`` lines and ``#`` comments are the only others allowed: the test's
+  environment has the extras installed); a ```text block right after such a block shows (part of)
+  its output, and is checked;
+* ```text blocks show output, synopses or diagrams: not code;
+* any other block (code that needs a server, your own app, a package the tests do not install, or a
+  config file for another tool) is preceded by ``<!-- not run: REASON -->`` on the line before its
+  fence (an HTML comment: the site does not show it). An unmarked block that this test cannot run fails it.
 
 The quickstart's files (``jobs.py``) are there for every page, as the how-tos say.
-Pages opt in through ``RUNNABLE`` below.
 """
 
 from __future__ import annotations
@@ -27,11 +31,50 @@ from tests.conftest import ROOT
 
 DOCS = ROOT / "docs"
 PAGES = sorted(p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md"))
-FENCE = re.compile(r"```(\w+)\n(.*?)```", re.S)
+FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```\s*$", re.S | re.M)
+NOT_RUN = re.compile(r"<!-- not run: (\S.*?) -->")
+SETUP = ("pip install ", "#")  # sh lines a page may show without the test running them
+
+
+def all_blocks(page: str) -> list[tuple[str, str, str | None]]:
+    """(language, body, the reason it is not run or None) of every fenced block of ``page``."""
+    return parse_blocks((DOCS / page).read_text())
+
+
+def parse_blocks(text: str) -> list[tuple[str, str, str | None]]:
+    found = []
+    for match in FENCE.finditer(text):
+        before = text[: match.start()].rstrip().splitlines()
+        marker = NOT_RUN.fullmatch(before[-1].strip()) if before else None
+        found.append((match.group(1), match.group(2), marker.group(1) if marker else None))
+    return found
 
 
 def blocks(page: str) -> list[tuple[str, str]]:
-    return FENCE.findall((DOCS / page).read_text())
+    """The blocks the test runs or checks: all but those marked not run."""
+    return [(lang, body) for lang, body, reason in all_blocks(page) if reason is None]
+
+
+def runs(lang: str, body: str) -> bool:
+    if lang == "python":
+        return True
+    lines = [ln.strip() for ln in body.splitlines() if ln.strip()]
+    return lang == "sh" and any(ln.startswith(("python ", "sqla-jobs ")) for ln in lines) and all(
+        ln.startswith(("python ", "sqla-jobs ", *SETUP)) for ln in lines
+    )
+
+
+def unrunnable(page: str, text: str | None = None) -> list[str]:
+    """The blocks of ``page`` that are neither run, nor output, nor marked not run with a reason."""
+    problems = []
+    for n, (lang, body, reason) in enumerate(parse_blocks(text) if text else all_blocks(page), 1):
+        first = body.strip().splitlines()[0] if body.strip() else ""
+        setup_only = lang == "sh" and all(ln.strip().startswith(SETUP) for ln in body.splitlines() if ln.strip())
+        if reason is not None or lang == "text" or runs(lang, body) or setup_only:
+            continue
+        what = f"```{lang}" if lang else "``` (no language: give it one, ```text for a synopsis)"
+        problems.append(f"docs/{page} block {n} {what} `{first[:60]}`")
+    return problems
 
 
 def expected_output(text: str) -> list[re.Pattern[str]]:
@@ -55,16 +98,24 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
-#: The pages written to these conventions. A new page joins by being added here.
-RUNNABLE = [
-    "quickstart.md",
-    "howto/enqueue.md",
-    "howto/handlers.md",
-    "howto/retries-and-dead-letters.md",
-    "howto/dashboard.md",
-    "reference/api.md",
-    "reference/cli.md",
-]
+#: Every page with code the test runs; the others have only output, marked blocks or no code.
+RUNNABLE = [page for page in PAGES if any(runs(lang, body) for lang, body in blocks(page))]
+
+
+def test_every_code_block_runs_or_says_why_not() -> None:
+    problems = [problem for page in PAGES for problem in unrunnable(page)]
+    assert not problems, (
+        "these doc blocks are not run by tests/test_docs.py: make them runnable, or put "
+        "`<!-- not run: REASON -->` on the line before the fence:\n" + "\n".join(problems)
+    )
+
+
+def test_the_marker_is_seen() -> None:
+    # The checker is not vacuous: a marked block is skipped, an unmarked one of the same kind is reported.
+    text = "<!-- not run: needs a server -->\n```sql\nselect 1;\n```\n\n```sql\nselect 2;\n```\n```\nx\n```\n"
+    assert [reason for _, _, reason in parse_blocks(text)] == ["needs a server", None, None]
+    problems = unrunnable("probe.md", text)
+    assert len(problems) == 2 and "select 2" in problems[0] and "no language" in problems[1]
 
 
 @pytest.mark.parametrize("page", RUNNABLE)
@@ -85,6 +136,8 @@ def test_page_code_runs_as_printed(page: str, tmp_path: Path) -> None:
             else:
                 script.append(body)
         elif lang == "sh":
+            if not runs(lang, body):
+                continue
             runnable = [ln.strip() for ln in body.splitlines() if ln.strip().startswith(("python ", "sqla-jobs "))]
             shown = items[i + 1][1] if i + 1 < len(items) and items[i + 1][0] == "text" else None
             for n, command in enumerate(runnable):

@@ -282,6 +282,18 @@ class Operations:
         state = conn.execute(select(t.c.state).where(t.c.id == job_id)).scalar()
         return None if state is None else str(state)
 
+    def make_due(self, conn: Connection, kind: str | None = None) -> int:
+        """Tests (``sqla_jobs.testing.make_due``): every pending job scheduled later (a delayed job, a retry
+        in backoff) becomes due now, by the database clock; jobs due already keep their order."""
+        t = self.jobs
+        stmt = update(t).where(t.c.state == "pending", t.c.run_at > self.now()).values(run_at=self.now())
+        if kind is not None:
+            stmt = stmt.where(t.c.kind == kind)
+        moved = conn.execute(stmt).rowcount
+        if moved:
+            self.notify(conn)
+        return moved
+
     def purge_dead(self, conn: Connection, older_than: float, kind: str | None = None) -> int:
         """Delete dead jobs that failed more than ``older_than`` seconds ago."""
         d = self.dead

@@ -83,3 +83,14 @@ def test_dead_by_kind(backend: Backend) -> None:
         in_write(backend, lambda c, job=job: d.dead_letter(c, job.fence, "no"))
     with backend.db.engine.connect() as conn:
         assert [(r.kind, r.total, r.recent) for r in d.dead_by_kind(conn, 3600)] == [("bad", 2, 2)]
+
+
+def test_make_due_moves_only_pending_jobs_scheduled_later(backend: Backend) -> None:
+    later = datetime.now(timezone.utc) + timedelta(days=1)
+    due = backend.insert(1, run_at=PAST)
+    scheduled = backend.insert(2, kind="a", run_at=later) + backend.insert(1, kind="b", run_at=later)
+    assert in_write(backend, lambda c: backend.driver.make_due(c, "a")) == 2
+    assert utc(backend.row(due[0]).run_at) == PAST  # due already: its place in line is kept
+    assert [utc(backend.row(i).run_at) <= utc(backend.now()) for i in scheduled] == [True, True, False]
+    assert in_write(backend, lambda c: backend.driver.make_due(c)) == 1
+    assert in_write(backend, lambda c: backend.driver.make_due(c)) == 0

@@ -1,0 +1,40 @@
+"""The suite writes to a database of its own (``sqla_jobs_test``), never to a shared one such as ``test``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+
+from sqlalchemy import create_engine, make_url, text
+
+from tests.conftest import PG_URL, ROOT, require_postgres
+from tests.suite_database import ensure_database
+
+
+def test_the_default_url_names_the_suites_own_database() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "SQLA_JOBS_TEST_PG_URL"}
+    env["PYTHONPATH"] = str(ROOT)
+    code = "from tests.conftest import PG_URL; print(PG_URL)"
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert make_url(result.stdout.strip()).database == "sqla_jobs_test"
+
+
+def test_a_missing_database_is_created_once_and_said_so() -> None:
+    require_postgres()
+    name = f"sqla_jobs_probe_{uuid.uuid4().hex[:8]}"
+    url = make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
+    admin = create_engine(make_url(PG_URL).set(database="postgres"), isolation_level="AUTOCOMMIT")
+    try:
+        note = ensure_database(url)
+        assert note is not None and repr(name) in note and "created" in note
+        with admin.connect() as conn:
+            assert conn.scalar(text("select 1 from pg_database where datname = :n"), {"n": name}) == 1
+        assert ensure_database(url) is None  # there already: nothing created, nothing said
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+        admin.dispose()
