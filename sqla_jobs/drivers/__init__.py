@@ -39,11 +39,13 @@ from sqlalchemy import Connection, Engine, Table
 from sqlalchemy.engine import URL
 
 from ..errors import ConfigError
-from .base import Driver
+from .base import DatabaseNow, Driver
+from .mysql import MySQLDriver
 from .postgresql import PostgreSQLDriver
 from .sqlite import SQLiteDriver
 
 __all__ = [
+    "DatabaseNow",
     "Driver",
     "attach_table_events",
     "driver_class",
@@ -77,10 +79,12 @@ def _supported() -> str:
 
 def driver_class(dialect_name: str) -> type[Driver]:
     """The driver class for a SQLAlchemy dialect name; ConfigError naming the supported ones otherwise."""
-    try:
+    if dialect_name in _DRIVERS:
         return _DRIVERS[dialect_name]
-    except KeyError:
-        raise ConfigError(f"sqla-jobs supports {_supported()}, not {dialect_name!r}") from None
+    for driver in _DRIVERS.values():  # one driver may serve several dialects (mysql and mariadb)
+        if dialect_name in driver.url_aliases:
+            return driver
+    raise ConfigError(f"sqla-jobs supports {_supported()}, not {dialect_name!r}")
 
 
 def driver_class_of(bind: Any) -> type[Driver]:
@@ -114,3 +118,4 @@ def attach_table_events(table: Table) -> None:
 
 register(PostgreSQLDriver)
 register(SQLiteDriver)
+register(MySQLDriver)
