@@ -61,7 +61,7 @@ from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validat
 
 from . import _payload
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, PayloadType
-from .drivers import DatabaseNow, attach_table_events
+from .drivers import DatabaseNow, JSONText, attach_table_events
 from .errors import InvalidJob
 
 __all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin"]
@@ -73,9 +73,14 @@ _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # the range of the INTEGER columns on 
 
 # BIGSERIAL on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the rowid alias.
 _ID = BigInteger().with_variant(Integer(), "sqlite")
-_JSON = JSON().with_variant(JSONB(), "postgresql")
+# MariaDB/MySQL: JSON kept as LONGTEXT, the text exactly as sent (see JSONText in drivers/mysql.py).
+_JSON = JSON().with_variant(JSONB(), "postgresql").with_variant(JSONText(), "mysql", "mariadb")
 # The same column type, but it sends the text encoded at flush (see _payload).
-_PAYLOAD = PayloadType(JSON()).with_variant(PayloadType(JSONB()), "postgresql")
+_PAYLOAD = (
+    PayloadType(JSON())
+    .with_variant(PayloadType(JSONB()), "postgresql")
+    .with_variant(PayloadType(JSONText()), "mysql", "mariadb")
+)
 # The database clock, on every backend: CURRENT_TIMESTAMP, or UTC with microseconds where
 # the column has no time zone (MariaDB/MySQL: see DatabaseNow in sqla_jobs/drivers).
 _NOW = DatabaseNow()

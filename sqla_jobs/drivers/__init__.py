@@ -40,13 +40,14 @@ from sqlalchemy.engine import URL
 
 from ..errors import ConfigError
 from .base import DatabaseNow, Driver
-from .mysql import MySQLDriver
+from .mysql import JSONText, MySQLDriver
 from .postgresql import PostgreSQLDriver
 from .sqlite import SQLiteDriver
 
 __all__ = [
     "DatabaseNow",
     "Driver",
+    "JSONText",
     "attach_table_events",
     "driver_class",
     "driver_class_of",

@@ -71,6 +71,25 @@ _DATETIME = mysql.DATETIME(fsp=6)
 _GONE = {2006, 2013, 2003, 2055, 1927, 4031, 1053}
 
 
+class JSONText(mysql.JSON):
+    """JSON stored as ``LONGTEXT``: the text exactly as sent, read back with ``json.loads``.
+
+    Not the ``JSON`` column type: MySQL 8 stores it in a binary form that
+    reorders keys and respells numbers, and MariaDB's ``JSON`` (an alias of
+    LONGTEXT) adds a ``JSON_VALID`` check that refuses documents nested more
+    than 32 levels, under the 64 sqla-jobs accepts. Payloads are validated
+    before they are sent (``sqla_jobs._payload``), so nothing is lost.
+    """
+
+    cache_ok = True
+
+
+@compiles(JSONText, "mysql")
+@compiles(JSONText, "mariadb")
+def _json_as_longtext(element: JSONText, compiler: Any, **kw: Any) -> str:
+    return "LONGTEXT"
+
+
 @compiles(DatabaseNow, "mysql")
 @compiles(DatabaseNow, "mariadb")
 def _utc_default(element: DatabaseNow, compiler: Any, **kw: Any) -> str:
