@@ -150,17 +150,21 @@ class MySQLDriver(Driver):
             admin.dispose()
 
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
-        t = self.jobs
-        chunk = [{"kind": "noop", "payload": "{}", "state": "finished", "attempts": 1}] * min(rows, 10_000)
-        stmt = insert(t).values(
-            payload=bindparam("payload", type_=mysql.LONGTEXT()), locked_at=self.ago(86400), finished_at=self.ago(86400)
-        )
-        done = 0
+        """One row, then ``INSERT … SELECT`` doubling it on the server: a million rows in seconds."""
+        table = self._quoted(conn)
+        columns = "kind, queue, payload, state, attempts, locked_at, finished_at"
+        conn.execute(text(
+            f"INSERT INTO {table} ({columns}) VALUES ('noop', 'default', '{{}}', 'finished', 1, "
+            "UTC_TIMESTAMP(6) - INTERVAL 1 DAY, UTC_TIMESTAMP(6) - INTERVAL 1 DAY)"
+        ))
+        done = 1
         while done < rows:
-            batch = chunk[: rows - done]
-            conn.execute(stmt, batch)
-            done += len(batch)
-        conn.execute(text(f"ANALYZE TABLE {self._quoted(conn)}"))
+            step = min(done, rows - done)
+            conn.execute(text(
+                f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {table} WHERE state = 'finished' LIMIT {step}"
+            ))
+            done += step
+        conn.execute(text(f"ANALYZE TABLE {table}"))
 
     def _quoted(self, conn: Connection) -> str:
         return str(conn.dialect.identifier_preparer.format_table(self.jobs))
