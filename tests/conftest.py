@@ -149,6 +149,19 @@ def pg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Database]:
             app._engine = None
 
 
+@pytest.fixture
+def mariadb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Database]:
+    """MariaDB only, for what only its tools can do (``KILL <id>``)."""
+    for database in make_database("mariadb", tmp_path):
+        monkeypatch.setenv("SQLA_JOBS_URL", database.url)
+        app._engine = None
+        app.Base.metadata.create_all(database.engine)
+        yield database
+        if app._engine is not None:
+            app._engine.dispose()
+            app._engine = None
+
+
 def run_cli(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120, **kw: Any
 ) -> subprocess.CompletedProcess[str]:
