@@ -85,7 +85,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from ._alembic_compare import _leave_our_indexes_to_us, _server_defaults_of_job_tables, _with_our_indexes, job_tables
 from ._payload import PayloadType
-from .drivers import driver_class_of, normalise_url, registered
+from .drivers import JSONText, driver_class_of, normalise_url, registered
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -131,6 +131,10 @@ def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | 
             shown = render_item("type", inner, autogen_context)
             rendered += f".with_variant({shown if shown is not False else prefix + repr(inner)}, {dialect!r})"
         return rendered
+    if type_ == "type" and isinstance(obj, JSONText):
+        # MariaDB/MySQL keep the job tables' JSON as LONGTEXT (see drivers/mysql.py); the revision needs only that.
+        autogen_context.imports.add("from sqlalchemy.dialects import mysql")
+        return "mysql.LONGTEXT()"
     if type_ == "type" and isinstance(obj, (JSONB, PG_JSON)):
         autogen_context.imports.add("from sqlalchemy.dialects import postgresql")
         prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""

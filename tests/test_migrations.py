@@ -36,7 +36,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from tests.conftest import PG_URL, ROOT, Database, make_database, require_postgres
+from tests.conftest import BACKENDS, PG_URL, ROOT, Database, make_database, require_postgres
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -155,7 +155,7 @@ def user_project(tmp_path: Path, db: Database) -> Project:
     return project
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
+@pytest.fixture(params=BACKENDS)
 def empty_db(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Database]:
     """An empty database (no tables at all), on each backend."""
     yield from make_database(request.param, tmp_path)
