@@ -58,6 +58,7 @@ __all__ = [
     "Driver",
     "Fence",
     "IndexDefinition",
+    "index_dialects",
     "percentile",
     "run_times_in_python",
     "truncate",
@@ -111,6 +112,14 @@ class DatabaseNow(FunctionElement[datetime]):
 @compiles(DatabaseNow)
 def _current_timestamp(element: DatabaseNow, compiler: Any, **kw: Any) -> str:
     return "CURRENT_TIMESTAMP"
+
+
+def index_dialects(index: Index) -> tuple[str, ...] | None:
+    """The dialect names an index of the index rules is for (``Index.ddl_if(dialect=...)``); None: every one."""
+    rule = getattr(index, "_ddl_if", None)  # where SQLAlchemy keeps ddl_if's condition
+    if rule is None or rule.dialect is None:
+        return None
+    return (rule.dialect,) if isinstance(rule.dialect, str) else tuple(rule.dialect)
 
 
 def run_times_in_python(rows: Iterable[Any]) -> list[tuple[str, int, float, float, float, float]]:
@@ -195,11 +204,8 @@ class Driver(Operations):
     @classmethod
     def applies(cls, index: Index) -> bool:
         """Whether ``index`` is built on this backend (the index rules may name the dialects an index is for)."""
-        rule = getattr(index, "_ddl_if", None)  # set by Index.ddl_if(dialect=...), SQLAlchemy's own per-dialect DDL
-        if rule is None or rule.dialect is None:
-            return True
-        names = {rule.dialect} if isinstance(rule.dialect, str) else set(rule.dialect)
-        return bool(names & {cls.name, *cls.url_aliases})
+        names = index_dialects(index)
+        return names is None or bool(set(names) & {cls.name, *cls.url_aliases})
 
     @classmethod
     def creates_schemas(cls) -> bool:
