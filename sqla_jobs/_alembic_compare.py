@@ -106,6 +106,8 @@ def _server_defaults_of_job_tables(yours: Any) -> Callable[..., bool | None]:
             inspected, rendered = defaults[0], defaults[-1] if defaults else None
             if _is_null_default(rendered):  # "DEFAULT NULL": PostgreSQL reflects it as no default
                 return not (inspected is None or _is_null_default(inspected))
+            if _as_bool(rendered) is not None and _as_bool(inspected) is not None:
+                return _as_bool(rendered) != _as_bool(inspected)  # "false" comes back as 0 where BOOLEAN is TINYINT
             return None
         if callable(yours):
             return yours(context, inspected_column, metadata_column, *defaults)  # type: ignore[no-any-return]
@@ -118,6 +120,11 @@ def _is_null_default(sql: Any) -> bool:
     # Our nullable columns say DEFAULT NULL (see models._NULL); it comes back as None, "NULL" or "NULL::text".
     text = sql.strip().strip("'").lower() if isinstance(sql, str) else ""
     return re.fullmatch(r"\(?'?null'?\)?(::[\w ]+)?", text) is not None
+
+
+def _as_bool(sql: Any) -> bool | None:
+    text = sql.strip().strip("()'").lower() if isinstance(sql, str) else ""
+    return {"false": False, "0": False, "true": True, "1": True}.get(text)
 
 
 def _normalise(sql: str) -> str:
@@ -154,7 +161,7 @@ def _compare_job_index_lists(
         have = {name: None if d is None else _FoundIndex(*d) for name, d in found.items()}
         driver.check_reflected_table(autogen_context.connection, schema, metadata_table)
     for index in sorted(metadata_table.indexes, key=lambda ix: str(ix.name)):
-        if index.name not in ours:
+        if index.name not in ours or not driver.applies(index):  # the index rules' variant for another database
             continue
         if index.name not in have:
             modify_ops.ops.append(ops.CreateIndexOp.from_index(index))

@@ -55,12 +55,13 @@ from datetime import datetime, timezone
 from typing import Any, ClassVar
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Index, Integer, String, Text, event, text
+from sqlalchemy.dialects.mysql import DATETIME as MYSQL_DATETIME
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 
 from . import _payload
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, PayloadType
-from .drivers import attach_table_events
+from .drivers import DatabaseNow, JSONText, attach_table_events
 from .errors import InvalidJob
 
 __all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin"]
@@ -72,18 +73,33 @@ _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # the range of the INTEGER columns on 
 
 # BIGSERIAL on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the rowid alias.
 _ID = BigInteger().with_variant(Integer(), "sqlite")
-_JSON = JSON().with_variant(JSONB(), "postgresql")
+# MariaDB/MySQL: JSON kept as LONGTEXT, the text exactly as sent (see JSONText in drivers/mysql.py).
+_JSON = JSON().with_variant(JSONB(), "postgresql").with_variant(JSONText(), "mysql", "mariadb")
 # The same column type, but it sends the text encoded at flush (see _payload).
-_PAYLOAD = PayloadType(JSON()).with_variant(PayloadType(JSONB()), "postgresql")
-_NOW = text("CURRENT_TIMESTAMP")  # the database clock, on every backend
+_PAYLOAD = (
+    PayloadType(JSON())
+    .with_variant(PayloadType(JSONB()), "postgresql")
+    .with_variant(PayloadType(JSONText()), "mysql", "mariadb")
+)
+# The database clock, on every backend: CURRENT_TIMESTAMP, or UTC with microseconds where
+# the column has no time zone (MariaDB/MySQL: see DatabaseNow in sqla_jobs/drivers).
+_NOW = DatabaseNow()
+# MariaDB/MySQL: which dialects get the indexes without a WHERE (they have no partial indexes).
+_NO_PARTIAL = ("mysql", "mariadb")
+_PARTIAL = ("postgresql", "sqlite")
+#: Table options: SQLite ids never reused; MariaDB/MySQL compare kind and queue exactly (a binary collation).
+_DEAD_OPTIONS = {f"{prefix}_{option}": value for prefix in _NO_PARTIAL
+                 for option, value in (("charset", "utf8mb4"), ("collate", "utf8mb4_bin"))}
+_JOB_OPTIONS = {"sqlite_autoincrement": True, **_DEAD_OPTIONS}
 # Defaults live in the database only. A column with no default at all would
 # be sent as an explicit NULL in every ORM INSERT (SQLAlchemy keeps batches
 # uniform that way): 14 parameters a row instead of 2 made `add_all` 2.5x slower.
 _NULL = text("NULL")
 
 
-def _tz() -> DateTime:
-    return DateTime(timezone=True)
+def _tz() -> Any:
+    # MariaDB/MySQL DATETIME keeps whole seconds unless asked: leases and claim order need microseconds.
+    return DateTime(timezone=True).with_variant(MYSQL_DATETIME(fsp=6), "mysql", "mariadb")
 
 
 def _utc(name: str, value: datetime | None) -> datetime | None:
@@ -226,7 +242,7 @@ class JobMixin(_Common):
 
     @declared_attr.directive
     def __table_args__(self) -> Any:
-        return (*self.job_indexes(), {"sqlite_autoincrement": True})
+        return (*self.job_indexes(), dict(_JOB_OPTIONS))
 
     @declared_attr.directive
     def __mapper_args__(self) -> Any:
@@ -249,15 +265,19 @@ class JobMixin(_Common):
                 "id",
                 postgresql_where=text("state = 'pending'"),
                 sqlite_where=text("state = 'pending'"),
-            ),
+            ).ddl_if(dialect=_PARTIAL),
+            # The same without a WHERE (MariaDB/MySQL): `state` leads, so the claim reads the
+            # pending range in claim order and never the finished rows (docs/howto/backends.md).
+            Index(f"ix_{name}_pending", "state", text("priority DESC"), "run_at", "id").ddl_if(dialect=_NO_PARTIAL),
             # The lease reaper: running jobs whose lease ran out.
             Index(
                 f"ix_{name}_running",
                 "lease_expires_at",
                 postgresql_where=text("state = 'running'"),
                 sqlite_where=text("state = 'running'"),
-            ),
-            # Run-time figures and pruning of old finished jobs.
+            ).ddl_if(dialect=_PARTIAL),
+            Index(f"ix_{name}_running", "state", "lease_expires_at").ddl_if(dialect=_NO_PARTIAL),
+            # Run-time figures and pruning of old finished jobs (NULLs are few and cheap without a WHERE).
             Index(
                 f"ix_{name}_finished",
                 "finished_at",
@@ -271,7 +291,7 @@ class JobMixin(_Common):
         """``__table_args__`` with the queue's indexes plus your own items and options."""
 
         def build(target: type[JobMixin]) -> Any:
-            return (*target.job_indexes(), *extra, {"sqlite_autoincrement": True, **options})
+            return (*target.job_indexes(), *extra, {**_JOB_OPTIONS, **options})
 
         return declared_attr.directive(build)
 
@@ -289,7 +309,7 @@ class DeadJobMixin(_Common):
 
     @declared_attr.directive
     def __table_args__(self) -> Any:
-        return tuple(self.dead_indexes())
+        return (*self.dead_indexes(), dict(_DEAD_OPTIONS))
 
     @classmethod
     def dead_indexes(cls) -> list[Index]:
@@ -301,7 +321,7 @@ class DeadJobMixin(_Common):
         """``__table_args__`` with the dead-letter indexes plus your own items and options."""
 
         def build(target: type[DeadJobMixin]) -> Any:
-            return (*target.dead_indexes(), *extra, options)
+            return (*target.dead_indexes(), *extra, {**_DEAD_OPTIONS, **options})
 
         return declared_attr.directive(build)
 

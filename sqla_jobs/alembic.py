@@ -86,7 +86,8 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from ._alembic_compare import _leave_our_indexes_to_us, _server_defaults_of_job_tables, _with_our_indexes, job_tables
 from ._payload import PayloadType
-from .drivers import driver_class_of, normalise_url, registered
+from .drivers import JSONText, driver_class_of, normalise_url, registered
+from .drivers.base import index_dialects
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -132,6 +133,10 @@ def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | 
             shown = render_item("type", inner, autogen_context)
             rendered += f".with_variant({shown if shown is not False else prefix + repr(inner)}, {dialect!r})"
         return rendered
+    if type_ == "type" and isinstance(obj, JSONText):
+        # MariaDB/MySQL keep the job tables' JSON as LONGTEXT (see drivers/mysql.py); the revision needs only that.
+        autogen_context.imports.add("from sqlalchemy.dialects import mysql")
+        return "mysql.LONGTEXT()"
     if type_ == "type" and isinstance(obj, (JSONB, PG_JSON)):
         autogen_context.imports.add("from sqlalchemy.dialects import postgresql")
         prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""
@@ -211,7 +216,17 @@ def _job_metadata(queue: JobQueue[Any, Any]) -> MetaData:
     """A MetaData holding copies of just the app's two tables (not the rest of the app)."""
     metadata = MetaData()
     for model in (queue.job_model, queue.dead_model):
-        model.__table__.to_metadata(metadata)  # type: ignore[attr-defined]
+        original = model.__table__  # type: ignore[attr-defined]
+        copy = original.to_metadata(metadata)
+        # to_metadata drops Index.ddl_if: give each per-database index its dialects back.
+        def key(ix: Any) -> tuple[str, ...]:
+            return (str(ix.name), *(str(getattr(e, "name", None) or e) for e in ix.expressions))
+
+        rules = {key(ix): index_dialects(ix) for ix in original.indexes}
+        for index in copy.indexes:
+            names = rules.get(key(index))
+            if names is not None:
+                index.ddl_if(dialect=names)
     return metadata
 
 
@@ -242,7 +257,9 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
         upgrade: list[ops.MigrateOperation] = []
         for table in metadata.sorted_tables:
             upgrade.append(ops.CreateTableOp.from_table(table))
-            indexes = [ops.CreateIndexOp.from_index(ix) for ix in sorted(table.indexes, key=lambda i: i.name or "")]
+            # An index the index rules build on some databases only is written by _guarded_indexes.
+            everywhere = [ix for ix in table.indexes if index_dialects(ix) is None]
+            indexes = [ops.CreateIndexOp.from_index(ix) for ix in sorted(everywhere, key=lambda i: i.name or "")]
             upgrade.append(ops.ModifyTableOps(table.name, indexes, schema=table.schema))  # type: ignore[arg-type]
         down = ops.UpgradeOps(upgrade).reverse()
         return ops.UpgradeOps([*_create_schemas(metadata, None), *upgrade]), down
@@ -273,6 +290,23 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
     if not script.upgrade_ops.is_empty():
         script.upgrade_ops.ops[:0] = _create_schemas(metadata, conn)
     return script.upgrade_ops, script.downgrade_ops
+
+
+def _guarded_indexes(queue: JobQueue[Any, Any]) -> str:
+    """Upgrade code for the indexes built on some databases only, each under a check of the dialect
+    it runs on, so a revision rendered without a database serves every backend (the table's drop
+    removes them on downgrade)."""
+    code = []
+    for table in _job_metadata(queue).sorted_tables:
+        for index in sorted(table.indexes, key=lambda i: (i.name or "", str(index_dialects(i)))):
+            names = index_dialects(index)
+            if names is None:
+                continue
+            rendered = render_python_code(ops.UpgradeOps([ops.CreateIndexOp.from_index(index)]),
+                                          render_item=render_item)
+            body = [line.strip() for line in rendered.splitlines() if line.strip() and not line.strip().startswith("#")]
+            code.append(f"    if op.get_bind().dialect.name in {names!r}:\n" + "".join(f"        {b}\n" for b in body))
+    return "".join(code).rstrip("\n")
 
 
 def _create_schemas(metadata: MetaData, conn: Connection | None) -> list[ops.MigrateOperation]:
@@ -361,12 +395,15 @@ def render_revision(
         summary.extend(trigger[2])
     if upgrade.is_empty() and trigger is None:
         return Rendered(None, None, head, [])
-    imports = ("from sqlalchemy.dialects import postgresql",)
+    # The models' types name PostgreSQL and MariaDB/MySQL variants, whatever the database at hand.
+    imports = ("from sqlalchemy.dialects import mysql", "from sqlalchemy.dialects import postgresql")
     context = (
         MigrationContext.configure(connection=connection) if connection is not None else None
     )
     kwargs: dict[str, Any] = {"render_item": render_item, "imports": imports, "migration_context": context}
     upgrades = render_python_code(upgrade, **kwargs) if not upgrade.is_empty() else ""
+    if connection is None:
+        upgrades = f"{upgrades}\n{_guarded_indexes(queue)}"
     downgrades = render_python_code(downgrade, **kwargs) if not downgrade.is_empty() else ""
     if trigger is not None:
         # The revision template indents the first line itself; every other line carries its own indent.

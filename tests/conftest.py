@@ -1,10 +1,11 @@
-"""Test harness: every test that takes ``db`` runs once on a SQLite file and once on PostgreSQL.
+"""Test harness: every test that takes ``db`` runs on a SQLite file, on PostgreSQL and on MariaDB.
 
 PostgreSQL tests each get a fresh schema (dropped afterwards), selected through
 the URL's ``search_path``, so worker subprocesses given ``db.url`` see the
-same tables. Override the server with ``SQLA_JOBS_TEST_PG_URL``. When
-PostgreSQL is unreachable its tests skip, except with ``CI=true``, where the
-run fails: CI must never pass by skipping the production backend.
+same tables; MariaDB tests each get a fresh database (``t_<hex>``). Override
+the servers with ``SQLA_JOBS_TEST_PG_URL`` and ``SQLA_JOBS_TEST_MARIADB_URL``.
+When a server is unreachable its tests skip, except with ``CI=true``, where the
+run fails: CI must never pass by skipping a backend.
 """
 
 from __future__ import annotations
@@ -27,20 +28,18 @@ from tests.suite_database import TEST_DATABASE, ensure_database
 
 ROOT = Path(__file__).resolve().parent.parent
 PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", f"postgresql+psycopg://postgres@127.0.0.1:5432/{TEST_DATABASE}")
+MARIADB_URL = os.environ.get("SQLA_JOBS_TEST_MARIADB_URL", "mariadb+pymysql://root@127.0.0.1:3306/test?charset=utf8mb4")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 #: Every backend the suite runs on, by SQLAlchemy dialect name: the ``db`` fixture and the driver
 #: conformance suite (tests/drivers/) run once per name. A new backend adds its name here and a
 #: branch to ``make_database``; tests/drivers/ checks that every registered driver is listed.
-BACKENDS = ("sqlite", "postgresql")
+BACKENDS = ("sqlite", "postgresql", "mariadb")
 
 
-def _pg_available() -> str | None:
-    global _PG_CREATED
+def _available(server: str) -> str | None:
     try:
-        if "SQLA_JOBS_TEST_PG_URL" not in os.environ:  # a URL given by hand is used as it is
-            _PG_CREATED = ensure_database(PG_URL)
-        engine = create_engine(PG_URL)
+        engine = create_engine(server)
         with engine.connect() as conn:
             conn.execute(text("select 1"))
         engine.dispose()
@@ -49,8 +48,19 @@ def _pg_available() -> str | None:
         return str(exc).splitlines()[0]
 
 
+def _pg_available() -> str | None:
+    global _PG_CREATED
+    if "SQLA_JOBS_TEST_PG_URL" not in os.environ:  # a URL given by hand is used as it is
+        try:
+            _PG_CREATED = ensure_database(PG_URL)
+        except Exception as exc:
+            return str(exc).splitlines()[0]
+    return _available(PG_URL)
+
+
 _PG_CREATED: str | None = None
 _PG_PROBLEM = _pg_available()
+_MARIADB_PROBLEM = _available(MARIADB_URL)
 
 
 def pytest_report_header() -> list[str]:
@@ -60,7 +70,7 @@ def pytest_report_header() -> list[str]:
 
 @dataclass
 class Database:
-    backend: str  # "sqlite" or "postgresql"
+    backend: str  # a name in BACKENDS
     url: str  # with the password, for subprocesses
     engine: Engine
     schema: str | None = None
@@ -76,7 +86,35 @@ def require_postgres() -> None:
         pytest.skip(f"PostgreSQL unreachable at {PG_URL}: {_PG_PROBLEM}")
 
 
+def require_mariadb() -> None:
+    if _MARIADB_PROBLEM:
+        if IN_CI:
+            pytest.fail(f"MariaDB is required in CI but unreachable at {MARIADB_URL}: {_MARIADB_PROBLEM}")
+        pytest.skip(f"MariaDB unreachable at {MARIADB_URL}: {_MARIADB_PROBLEM}")
+
+
+def _make_mariadb() -> Iterator[Database]:
+    """A fresh database per test (MariaDB's schemas are databases), dropped afterwards."""
+    require_mariadb()
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(MARIADB_URL)
+    with admin.begin() as conn:
+        conn.execute(text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
+    rendered = make_url(MARIADB_URL).set(database=name).render_as_string(hide_password=False)
+    engine = create_engine(rendered)
+    try:
+        yield Database("mariadb", rendered, engine, name)
+    finally:
+        engine.dispose()
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+        admin.dispose()
+
+
 def make_database(backend: str, tmp_path: Path) -> Iterator[Database]:
+    if backend == "mariadb":
+        yield from _make_mariadb()
+        return
     if backend == "sqlite":
         url = f"sqlite:///{tmp_path / 'jobs.db'}"
         engine = create_engine(url)
@@ -119,6 +157,19 @@ def db(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.Monke
 def pg(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Database]:
     """PostgreSQL only, for the features only it has."""
     for database in make_database("postgresql", tmp_path):
+        monkeypatch.setenv("SQLA_JOBS_URL", database.url)
+        app._engine = None
+        app.Base.metadata.create_all(database.engine)
+        yield database
+        if app._engine is not None:
+            app._engine.dispose()
+            app._engine = None
+
+
+@pytest.fixture
+def mariadb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Database]:
+    """MariaDB only, for what only its tools can do (``KILL <id>``)."""
+    for database in make_database("mariadb", tmp_path):
         monkeypatch.setenv("SQLA_JOBS_URL", database.url)
         app._engine = None
         app.Base.metadata.create_all(database.engine)

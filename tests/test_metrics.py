@@ -71,6 +71,8 @@ def test_worker_serves_metrics_over_http(db: Database) -> None:
                 found = {}
             if (value(found, "sqla_jobs_jobs_finished_total", kind="flaky") == 1
                     and value(found, "sqla_jobs_queue_length", queue="default", state="ready") == 0
+                    # the table figures are cached for a moment: wait until they show the last run ended too
+                    and value(found, "sqla_jobs_queue_length", queue="default", state="running") == 0
                     and value(found, "sqla_jobs_dead_jobs", kind="fail") == 1):
                 break
             time.sleep(0.2)

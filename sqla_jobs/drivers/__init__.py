@@ -11,8 +11,9 @@ statements every backend shares, as portable SQLAlchemy Core. A new backend
 must implement:
 
 * the database clock: ``now``, ``later``, ``seconds_between``;
-* ``claim``: take up to N due jobs in (priority desc, run_at, id) order without
-  two workers ever getting the same job, and return them in that order;
+* ``claim_batch``: take up to N due jobs in (priority desc, run_at, id) order without
+  two workers ever getting the same job, and return them in that order,
+  with the isolation rule (``alone``) and whether an isolated job waits;
   optionally ``finish_and_claim`` fused into one round trip;
 * ``errors_plus``: append one entry to the JSON ``errors`` column in SQL;
 * ``run_times``: count, mean, p50, p95, max of run times per kind;
@@ -25,7 +26,10 @@ write lock up front), ``skip_locked`` (pass over locked rows), ``prune_lock``,
 ``has_notify_trigger`` / ``channel`` / ``attach_table_events`` /
 ``wake_trigger_migration`` (wake-ups; ``supports_listen``), ``harden``
 (keepalives), ``normalise_url`` (the DBAPI driver sqla-jobs ships),
-``hot_connection_autocommit``, ``create``, ``prepare``, ``index_names``.
+``hot_connection_autocommit``, ``create``, ``prepare``, ``index_names``;
+and, where the database has no ``UPDATE … RETURNING`` (MariaDB/MySQL), the
+writes the base class does with it: ``finish``, ``heartbeat``,
+``dead_letter``, ``requeue_dead``, ``prune_batch``.
 
 A backend is done when ``tests/drivers/`` (the conformance suite) passes
 unchanged with its name added to the backend list in ``tests/conftest.py``.
@@ -39,12 +43,15 @@ from sqlalchemy import Connection, Engine, Table
 from sqlalchemy.engine import URL
 
 from ..errors import ConfigError
-from .base import Driver
+from .base import DatabaseNow, Driver
+from .mysql import JSONText, MySQLDriver
 from .postgresql import PostgreSQLDriver
 from .sqlite import SQLiteDriver
 
 __all__ = [
+    "DatabaseNow",
     "Driver",
+    "JSONText",
     "attach_table_events",
     "driver_class",
     "driver_class_of",
@@ -77,10 +84,12 @@ def _supported() -> str:
 
 def driver_class(dialect_name: str) -> type[Driver]:
     """The driver class for a SQLAlchemy dialect name; ConfigError naming the supported ones otherwise."""
-    try:
+    if dialect_name in _DRIVERS:
         return _DRIVERS[dialect_name]
-    except KeyError:
-        raise ConfigError(f"sqla-jobs supports {_supported()}, not {dialect_name!r}") from None
+    for driver in _DRIVERS.values():  # one driver may serve several dialects (mysql and mariadb)
+        if dialect_name in driver.url_aliases:
+            return driver
+    raise ConfigError(f"sqla-jobs supports {_supported()}, not {dialect_name!r}")
 
 
 def driver_class_of(bind: Any) -> type[Driver]:
@@ -114,3 +123,4 @@ def attach_table_events(table: Table) -> None:
 
 register(PostgreSQLDriver)
 register(SQLiteDriver)
+register(MySQLDriver)

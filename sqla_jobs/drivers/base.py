@@ -25,7 +25,9 @@ from typing import Any, ClassVar
 
 from sqlalchemy import (
     Connection,
+    DateTime,
     Engine,
+    Index,
     Select,
     Table,
     Text,
@@ -42,12 +44,25 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateIndex
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.sql.functions import FunctionElement
 
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
 
-__all__ = ["MAX_ERROR_LENGTH", "Claimed", "Driver", "Fence", "IndexDefinition", "percentile", "truncate"]
+__all__ = [
+    "MAX_ERROR_LENGTH",
+    "Claimed",
+    "DatabaseNow",
+    "Driver",
+    "Fence",
+    "IndexDefinition",
+    "index_dialects",
+    "percentile",
+    "run_times_in_python",
+    "truncate",
+]
 
 Fence = tuple[int, str]  # (job id, claim token)
 
@@ -82,6 +97,44 @@ def percentile(sorted_values: list[float], fraction: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
+class DatabaseNow(FunctionElement[datetime]):
+    """The database clock as a column's server default: ``CURRENT_TIMESTAMP`` unless a driver says otherwise.
+
+    A backend whose timestamp columns have no time zone compiles it to its UTC clock
+    (``drivers/mysql.py``), so a row's default is right whatever the session's time zone.
+    """
+
+    type = DateTime(timezone=True)
+    name = "current_timestamp"
+    inherit_cache = True
+
+
+@compiles(DatabaseNow)
+def _current_timestamp(element: DatabaseNow, compiler: Any, **kw: Any) -> str:
+    return "CURRENT_TIMESTAMP"
+
+
+def index_dialects(index: Index) -> tuple[str, ...] | None:
+    """The dialect names an index of the index rules is for (``Index.ddl_if(dialect=...)``); None: every one."""
+    rule = getattr(index, "_ddl_if", None)  # where SQLAlchemy keeps ddl_if's condition
+    if rule is None or rule.dialect is None:
+        return None
+    return (rule.dialect,) if isinstance(rule.dialect, str) else tuple(rule.dialect)
+
+
+def run_times_in_python(rows: Iterable[Any]) -> list[tuple[str, int, float, float, float, float]]:
+    """(kind, count, mean, p50, p95, max) from (kind, seconds) rows, for databases without ``percentile_cont``."""
+    by_kind: dict[str, list[float]] = {}
+    for kind, seconds in rows:
+        by_kind.setdefault(kind, []).append(max(0.0, float(seconds)))
+    result = []
+    for kind in sorted(by_kind):
+        values = sorted(by_kind[kind])
+        result.append((kind, len(values), sum(values) / len(values), percentile(values, 0.5),
+                       percentile(values, 0.95), values[-1]))
+    return result
+
+
 #: What a backend's index reflection gives the alembic comparator: unique, elements (``"priority DESC"``),
 #: predicate as SQL text; None for an index that exists but whose definition cannot be read.
 IndexDefinition = tuple[bool, tuple[str, ...], "str | None"]
@@ -97,7 +150,7 @@ class Driver(Operations):
 
     name: ClassVar[str] = ""
     label: ClassVar[str] = ""
-    #: Other backend names a URL may use for this database (``postgres://``).
+    #: Other backend or dialect names for this database (``postgres://``; ``mysql`` beside ``mariadb``).
     url_aliases: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
@@ -157,6 +210,12 @@ class Driver(Operations):
         The code guards itself on the dialect, so one revision serves every backend.
         """
         return None
+
+    @classmethod
+    def applies(cls, index: Index) -> bool:
+        """Whether ``index`` is built on this backend (the index rules may name the dialects an index is for)."""
+        names = index_dialects(index)
+        return names is None or bool(set(names) & {cls.name, *cls.url_aliases})
 
     @classmethod
     def creates_schemas(cls) -> bool:
@@ -237,7 +296,8 @@ class Driver(Operations):
         for table in (self.jobs, self.dead):
             table.create(conn, checkfirst=True)
             for index in table.indexes:
-                conn.execute(CreateIndex(index, if_not_exists=True))
+                if self.applies(index):
+                    conn.execute(CreateIndex(index, if_not_exists=True))
 
     def has_notify_trigger(self, conn: Connection) -> bool:
         """Whether inserts into the jobs table wake workers (False where workers always poll)."""

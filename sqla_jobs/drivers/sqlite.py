@@ -18,7 +18,6 @@ import logging
 import os
 import re
 import tempfile
-from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -28,7 +27,7 @@ from sqlalchemy import Connection, DateTime, Engine, Table, func, select, text, 
 from sqlalchemy.engine import URL
 from sqlalchemy.sql.elements import ColumnElement
 
-from .base import Claimed, Driver, IndexDefinition, percentile
+from .base import Claimed, Driver, IndexDefinition, run_times_in_python
 
 __all__ = ["SQLiteDriver"]
 
@@ -202,12 +201,4 @@ class SQLiteDriver(Driver):
         """No percentile function in SQLite: one row per run, the figures computed here."""
         t = self.jobs
         took = self.seconds_between(t.c.finished_at, t.c.locked_at)
-        by_kind: dict[str, list[float]] = defaultdict(list)
-        for kind, seconds in conn.execute(select(t.c.kind, took).where(self.recently_finished(window))):
-            by_kind[kind].append(max(0.0, float(seconds)))
-        result = []
-        for kind in sorted(by_kind):
-            values = sorted(by_kind[kind])
-            result.append((kind, len(values), sum(values) / len(values), percentile(values, 0.5),
-                           percentile(values, 0.95), values[-1]))
-        return result
+        return run_times_in_python(conn.execute(select(t.c.kind, took).where(self.recently_finished(window))))

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, func, select
+from sqlalchemy import Engine, select
 from sqlalchemy.orm import Session
 
 from tests import app
@@ -154,8 +154,7 @@ def check_invariants(engine: Engine, ids: Iterable[int], logs: Iterable[str] = (
     ids = list(ids)
     table = app.Job.__table__
     with engine.connect() as conn:
-        db_now = conn.execute(select(func.now()) if engine.dialect.name == "postgresql"
-                              else select(func.strftime("%Y-%m-%d %H:%M:%f000", "now"))).scalar_one()
+        db_now = conn.execute(select(app.queue.driver(conn).now())).scalar_one()
         rows = {r.id: r for r in conn.execute(select(table).where(table.c.id.in_(ids)))}
         once_rows = Counter(conn.execute(select(app.Once.job_id).where(app.Once.job_id.in_(ids))).scalars())
     found = states(engine, ids)
