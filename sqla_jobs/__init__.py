@@ -7,6 +7,7 @@ by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 from ._backoff import Backoff
 from ._context import JobContext, current_job
 from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
+from ._worker import Worker
 from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
     ConfigError,
@@ -20,7 +21,6 @@ from .errors import (
     SqlaJobsError,
 )
 from .queue import JobEvent, JobQueue
-from .worker import Worker
 
 __version__ = "0.1.0"
 

@@ -42,9 +42,9 @@ from sqlalchemy.orm import DeclarativeBase, Session
 from ._backoff import Backoff
 from ._bootstrap import make_engine, worker_pool_size
 from ._models import DeadJobMixin, JobMixin
+from ._worker import Worker
 from .drivers import driver_class
 from .queue import JobQueue
-from .worker import Worker
 
 __all__ = ["run_bench"]
 

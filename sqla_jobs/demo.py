@@ -16,8 +16,8 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 from ._backoff import Backoff
 from ._context import current_job
 from ._models import DeadJobMixin, JobMixin
+from ._worker import Worker
 from .queue import JobQueue
-from .worker import Worker
 
 
 class Base(DeclarativeBase):

@@ -17,11 +17,11 @@ Two rules hold for every write a worker makes after claiming:
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from sqlalchemy import (
     Connection,
@@ -87,6 +87,14 @@ def percentile(sorted_values: list[float], fraction: float) -> float:
 IndexDefinition = tuple[bool, tuple[str, ...], "str | None"]
 
 
+class Listener(Protocol):
+    """What ``Driver.listener`` returns: wakes a worker when a job is enqueued (PostgreSQL: ``pg_listen``)."""
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
 class Driver(Operations):
     """The statements for one pair of tables on one backend.
 
@@ -127,6 +135,11 @@ class Driver(Operations):
     def channel(self) -> str:
         """The notification channel of the jobs table ("" where there is none)."""
         return ""
+
+    def listener(self, engine: Engine, wake: Callable[[], None], worker_name: str) -> Listener | None:
+        """Something to ``start()`` and ``stop()`` that calls ``wake`` when a job is enqueued, or None
+        where the database cannot notify (``supports_listen``); the worker then polls."""
+        return None
 
     # -- class level: URLs, engines, tables ---------------------------------------
 
