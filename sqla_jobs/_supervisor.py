@@ -55,11 +55,16 @@ class _Child:
     def __init__(self, spec: WorkerProcess, prefix: str) -> None:
         # A fresh name per process started, so a replacement never answers for its predecessor's jobs.
         template = f"{prefix}:{{pid}}:{uuid.uuid4().hex[:6]}"
-        spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, name=template))
-        self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, process_group=0)
+        # Started with the stop signals blocked (the mask is inherited): one that comes while the child
+        # imports waits until child_main has its handlers, instead of killing it half-started.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _signals.SIGNALS)
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, process_group=0)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         assert self.proc.stdin is not None
         with self.proc.stdin:
-            self.proc.stdin.write(pickle.dumps((spec, os.getpid())))
+            self.proc.stdin.write(pickle.dumps((spec, template, os.getpid())))
         self.name = template.replace("{pid}", str(self.proc.pid))
         self.handled = False  # its exit was dealt with
 
@@ -98,8 +103,9 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
         start()
     log.info("supervising %d worker processes: %s", len(children), ", ".join(str(c.proc.pid) for c in children))
     unreplaced: set[int] = set()
-    while any(c.proc.poll() is None for c in children) or not (stopping or spec.burst):
-        time.sleep(0.2)
+
+    def look() -> None:
+        """Deal with each child that exited: hand back its jobs, replace it unless we stop."""
         for i, child in enumerate(children):
             code = child.proc.poll()
             if code is None or child.handled:
@@ -119,6 +125,11 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
                 unreplaced.add(i)  # its crash was handled like the others: not the stop's exit status
                 continue
             children[i] = _Child(spec, prefix)
+
+    while any(c.proc.poll() is None for c in children) or not (stopping or spec.burst):
+        time.sleep(0.2)
+        look()
+    look()  # the last ones may have exited after the last look
     return max((_stop_status(c.proc.returncode, stopping) for i, c in enumerate(children) if i not in unreplaced),
                default=0)
 
@@ -151,7 +162,10 @@ def _stop_status(code: int | None, stopping: bool) -> int:
 def child_main() -> None:
     """A supervised worker process: read its settings from stdin, run, exit with its status."""
     _signals.stop_signals()  # first of all: a stop while starting is a stop, not a kill
-    spec, parent = pickle.load(sys.stdin.buffer)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals.SIGNALS)  # blocked by the supervisor until now
+    spec, name, parent = pickle.load(sys.stdin.buffer)
+    # The name's {pid} is this process's: WorkerConfig fills it in when it is made, so make it here.
+    spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, name=name))
     logging.basicConfig(level=spec.log_level, format=LOG_FORMAT)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="sqla-jobs-parent").start()
     try:
