@@ -161,12 +161,14 @@ def _stop_status(code: int | None, stopping: bool) -> int:
 
 def child_main() -> None:
     """A supervised worker process: read its settings from stdin, run, exit with its status."""
-    _signals.stop_signals()  # first of all: a stop while starting is a stop, not a kill
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals.SIGNALS)  # blocked by the supervisor until now
     spec, name, parent = pickle.load(sys.stdin.buffer)
+    logging.basicConfig(level=spec.log_level, format=LOG_FORMAT)
+    # Signals are still blocked (by the supervisor, inherited): a stop that came while this process
+    # started waits here, and is handled (and logged) as a stop, not a kill.
+    _signals.stop_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals.SIGNALS)
     # The name's {pid} is this process's: WorkerConfig fills it in when it is made, so make it here.
     spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, name=name))
-    logging.basicConfig(level=spec.log_level, format=LOG_FORMAT)
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="sqla-jobs-parent").start()
     try:
         code = run_worker_process(spec)
