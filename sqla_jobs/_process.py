@@ -40,7 +40,7 @@ def run_worker_process(spec: WorkerProcess, engine: Engine | None = None) -> int
     queue = load_app(spec.app)
     if engine is None:
         engine = make_engine(spec.url, pool_size=spec.config.pool_size)
-    worker = Worker(engine, queue, config=spec.config)
+    worker = Worker._from_config(engine, queue, spec.config)
     if spec.metrics_port is not None:
         from .metrics import QueueMetrics  # raises ConfigError naming the extra when it is missing
 

@@ -70,7 +70,6 @@ from ._outage import database_key
 from ._store import Store
 from ._worker_config import WorkerConfig, check_pool
 from .drivers.base import Driver
-from .errors import ConfigError
 from .queue import JobQueue
 
 __all__ = ["Worker"]
@@ -81,8 +80,8 @@ log = logging.getLogger("sqla_jobs.worker")
 class Worker:
     """Runs jobs from ``queue`` using ``engine``. See the module docstring.
 
-    The settings are ``WorkerConfig``'s; pass them as keywords, or a whole
-    ``config`` (as ``sqla-jobs worker`` does), not both.
+    The settings are checked by ``WorkerConfig`` (``ConfigError`` naming the
+    wrong value), the same check ``sqla-jobs worker`` and ``bench`` go through.
     """
 
     def __init__(
@@ -101,15 +100,21 @@ class Worker:
         listen: bool = True,
         name: str | None = None,
         prune_after: float | None = None,
-        config: WorkerConfig | None = None,
     ) -> None:
-        settings = dict(concurrency=concurrency, queues=tuple(queues) if queues else None, lease=lease,
-                        heartbeat=heartbeat, poll_interval=poll_interval, grace=grace, batch_size=batch_size,
-                        flush_interval=flush_interval, listen=listen, name=name, prune_after=prune_after)
-        if config is None:
-            config = WorkerConfig(**settings)  # type: ignore[arg-type]
-        elif settings != _DEFAULTS:
-            raise ConfigError("Worker: pass either config= or the settings as keywords, not both")
+        self._setup(engine, queue, WorkerConfig(
+            concurrency=concurrency, queues=tuple(queues) if queues else None, lease=lease, heartbeat=heartbeat,
+            poll_interval=poll_interval, grace=grace, batch_size=batch_size, flush_interval=flush_interval,
+            listen=listen, name=name, prune_after=prune_after,
+        ))
+
+    @classmethod
+    def _from_config(cls, engine: Engine, queue: JobQueue[Any, Any], config: WorkerConfig) -> Worker:
+        """A worker from settings already checked (the CLI, a supervised process, the bench)."""
+        worker = cls.__new__(cls)
+        worker._setup(engine, queue, config)
+        return worker
+
+    def _setup(self, engine: Engine, queue: JobQueue[Any, Any], config: WorkerConfig) -> None:
         self.config = config
         self.engine = engine
         self.queue = queue
@@ -169,6 +174,3 @@ class Worker:
         log.info("worker %s stopped after %d jobs", self.name, self.processed)
         return 0
 
-
-_DEFAULTS = dict(concurrency=4, queues=None, lease=60.0, heartbeat=None, poll_interval=1.0, grace=30.0,
-                 batch_size=100, flush_interval=0.002, listen=True, name=None, prune_after=None)
