@@ -4,10 +4,12 @@ Jobs are rows in your own tables, enqueued in your own transactions and run
 by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 """
 
+from ._app import JobEvent, JobQueue
 from ._backoff import Backoff
 from ._context import JobContext, current_job
 from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
 from ._stats import DeadLetters, QueueLength, QueueStats, RunTime
+from ._worker import Worker
 from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
     ConfigError,
@@ -20,8 +22,6 @@ from .errors import (
     SchemaError,
     SqlaJobsError,
 )
-from .queue import JobEvent, JobQueue
-from .worker import Worker
 
 __version__ = "0.1.0"
 

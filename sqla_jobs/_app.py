@@ -35,6 +35,7 @@ handlers.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -85,6 +86,8 @@ class JobQueue(Registry, Admin[J], Generic[J, D]):
 
     def dashboard(self, engine: Engine, **options: Any) -> Any:
         """The web dashboard for this app, an ASGI app to mount (``sqla-jobs[web]``; see sqla_jobs.web)."""
-        from .web import dashboard  # Starlette is an extra: imported only when asked for
-
-        return dashboard(engine, self, **options)
+        # The web package builds on this class, so it is loaded by name when asked for, not imported
+        # here: that keeps the dependency one way (web -> app), and Starlette (an extra) out of
+        # every process that never serves the dashboard.
+        web = importlib.import_module("sqla_jobs.web")
+        return web.dashboard(engine, self, **options)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import multiprocessing as mp
 import statistics
@@ -39,12 +40,13 @@ from sqlalchemy import Engine, MetaData, create_engine, func, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Session
 
+from ._app import JobQueue
 from ._backoff import Backoff
-from ._bootstrap import database_url, make_engine, missing_database, worker_pool_size
+from ._bootstrap import database_url, make_engine, missing_database
 from ._models import DeadJobMixin, JobMixin
+from ._worker import Worker
+from ._worker_config import WorkerConfig
 from .drivers import driver_class
-from .queue import JobQueue
-from .worker import Worker
 
 __all__ = ["run_bench"]
 
@@ -151,9 +153,10 @@ def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int) -> Non
     import logging
 
     logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
-    engine = create_engine(url, pool_size=worker_pool_size(concurrency))
+    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size)  # checked, and sizes the pool
+    engine = create_engine(url, pool_size=config.pool_size)
     poll = 0.5 if queue.driver(engine).supports_listen else 0.02  # without LISTEN a worker polls
-    worker = Worker(engine, queue, concurrency=concurrency, poll_interval=poll, batch_size=batch_size)
+    worker = Worker._from_config(engine, queue, dataclasses.replace(config, poll_interval=poll))
     ready.set()
     worker.run()
 

@@ -19,9 +19,9 @@ from sqlalchemy import Engine, create_engine, make_url, select
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
+from ._app import JobQueue
 from .drivers import driver_class, normalise_url
 from .errors import ConfigError, ConnectionProblem, SchemaError
-from .queue import JobQueue
 
 __all__ = ["database_url", "load_app", "make_engine", "missing_database", "worker_pool_size"]
 

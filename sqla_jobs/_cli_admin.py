@@ -20,12 +20,12 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from ._app import JobQueue
 from ._bootstrap import load_app, make_engine
 from ._durations import format_duration, parse_duration
 from ._stats import stats_tables
 from ._tables import print_table
 from .errors import ConfigError, ConnectionProblem, NotFound, SchemaError
-from .queue import JobQueue
 
 __all__ = [
     "cmd_create_tables",

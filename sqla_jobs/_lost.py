@@ -24,8 +24,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine
 
+from ._app import JobEvent, JobQueue
 from .drivers import Driver
-from .queue import JobEvent, JobQueue
 
 __all__ = ["hand_back"]
 

@@ -18,19 +18,15 @@ import argparse
 import logging
 import os
 import signal
-import socket
-import subprocess
 import sys
-import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
-from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 
 from . import __version__
-from ._bootstrap import load_app, make_engine, worker_pool_size
+from ._bootstrap import load_app, make_engine
 from ._cli_admin import (
     cmd_create_tables,
     cmd_dead_list,
@@ -47,12 +43,13 @@ from ._cli_admin import (
 )
 from ._cli_migrations import add_migrations_parser
 from ._durations import parse_duration
-from ._lost import hand_back
 from ._models import STATES
+from ._process import WorkerProcess, run_worker_process
+from ._signals import stop_signals
+from ._supervisor import supervise
+from ._worker_config import WorkerConfig
 from .errors import ConfigError, ConnectionProblem, SqlaJobsError
-from .queue import JobQueue
 from .web._cli import add_dashboard_parser
-from .worker import Worker
 
 __all__ = ["main"]
 
@@ -63,137 +60,30 @@ log = logging.getLogger("sqla_jobs")
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    stop_signals()  # first: a SIGTERM/SIGINT while starting is a graceful stop, not a kill
     if args.processes < 1:
         raise ConfigError("--processes must be at least 1")
-    queue = load_app(args.app)
-    if args.concurrency < 1:  # checked before connecting, so the message is about the option
-        raise ConfigError("--concurrency must be at least 1")
-    engine = make_engine(args.url, pool_size=worker_pool_size(args.concurrency))
-    if args.processes > 1:
-        engine.dispose()
-        queue.check_schema(engine)
-        return supervise(args, queue, engine)
-    worker = Worker(
-        engine,
-        queue,
+    config = WorkerConfig(  # checked before connecting, so an error is about the option
         concurrency=args.concurrency,
-        queues=args.queues.split(",") if args.queues else None,
+        queues=tuple(args.queues.split(",")) if args.queues else None,
         lease=args.lease,
         heartbeat=args.heartbeat,
         poll_interval=args.poll_interval,
         grace=args.grace,
         listen=not args.no_listen,
-        name=args.name.replace("{pid}", str(os.getpid())) if args.name else None,
+        name=args.name,
         prune_after=parse_duration(args.prune_finished_older_than) if args.prune_finished_older_than else None,
     )
-    if args.metrics_port is not None:
-        from .metrics import QueueMetrics  # raises ConfigError naming the extra when it is missing
-
-        try:
-            QueueMetrics(queue, engine).serve(args.metrics_port, args.metrics_addr)
-        except OSError as exc:
-            raise ConfigError(f"--metrics-port {args.metrics_port}: cannot listen on "
-                              f"{args.metrics_addr}:{args.metrics_port} ({exc.strerror or exc})") from None
-    return worker.run(burst=args.burst)
-
-
-def supervise(args: argparse.Namespace, queue: JobQueue[Any, Any], engine: Engine) -> int:
-    """Run ``--processes`` worker processes; forward SIGTERM/SIGINT; restart any that crash.
-
-    Each child is ``sqla-jobs worker`` with the same options and one process,
-    so each has its own GIL, connections and LISTEN. A child that dies
-    (a poison job that kills its process, an OOM kill) is started again after a
-    pause; its running jobs are handed back at once, by the lease reaper's
-    rules (``sqla_jobs._lost``), instead of after a whole lease. For that the
-    supervisor names each child (``--name``), so it knows which jobs were its.
-    """
-    argv = _without_options(list(args.argv), "--processes", "--name")
-    prefix = args.name or socket.gethostname()
-    stopping = False
-
-    def start() -> tuple[subprocess.Popen[bytes], str]:
-        # A fresh name per process started, so a replacement never answers for its predecessor's jobs.
-        name = f"{prefix}:{{pid}}:{uuid.uuid4().hex[:6]}"
-        child = subprocess.Popen([sys.executable, "-m", "sqla_jobs.cli", *argv, "--name", name])
-        return child, name.replace("{pid}", str(child.pid))
-
-    def died(child: subprocess.Popen[bytes], name: str) -> None:
-        """Hand back what the dead child was running; on a database error, its leases still cover it."""
-        try:
-            sql = queue.driver(engine)
-            count = hand_back(queue, engine, sql, lambda conn: sql.held_by(conn, name),
-                              f"worker process {name} exited with {child.returncode}")
-        except DBAPIError as exc:
-            log.warning("could not hand back the jobs of worker %s (%s); their leases will expire",
-                        name, str(exc.orig or exc).strip().splitlines()[0])
-            return
-        if count:
-            log.warning("handed back %d job(s) of worker process %d", count, child.pid)
-
-    def forward(signum: int, frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
-        for child in children:
-            if child.poll() is None:
-                child.send_signal(signum)
-
-    started = [start() for _ in range(args.processes)]
-    children = [child for child, _name in started]
-    names = [name for _child, name in started]
-    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
-    log.info("supervising %d worker processes: %s", len(children), ", ".join(str(c.pid) for c in children))
-    status = 0
-    unreplaced: set[int] = set()
-    try:
-        while any(child.poll() is None for child in children) or not (stopping or args.burst):
-            time.sleep(0.2)
-            for i, child in enumerate(children):
-                code = child.poll()
-                if code is None or names[i] == "":
-                    continue
-                if code != 0:
-                    died(child, names[i])
-                names[i] = ""  # handed back once
-                if stopping or (args.burst and code == 0):
-                    continue
-                if code == 2:  # bad configuration: another start would fail the same way
-                    log.error("worker process %d failed to start; stopping the others", child.pid)
-                    forward(signal.SIGTERM, None)
-                    continue
-                log.warning("worker process %d exited with %s; starting another in 1 s", child.pid, code)
-                time.sleep(1.0)
-                if stopping:  # a signal came during the pause: a child started now would never hear of it
-                    unreplaced.add(i)  # its crash was handled like the others: not the stop's exit status
-                    continue
-                children[i], names[i] = start()
-        status = max((_stop_status(child.returncode, stopping) for i, child in enumerate(children)
-                      if i not in unreplaced), default=0)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return status
-
-
-def _stop_status(code: int | None, stopping: bool) -> int:
-    """A child's part in the supervisor's exit status: dying of the stop signal we forwarded (it came
-    before the child set up its handlers, so it ran nothing) is a clean stop; another signal is a failure."""
-    if code is None or (stopping and code in (-signal.SIGTERM, -signal.SIGINT)):
-        return 0
-    return 1 if code < 0 else code
-
-
-def _without_options(argv: list[str], *names: str) -> list[str]:
-    """``argv`` without the given options and their values (``--opt V`` and ``--opt=V``)."""
-    out: list[str] = []
-    skip = False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg in names:
-            skip = True
-        elif not any(arg.startswith(f"{name}=") for name in names):
-            out.append(arg)
-    return out
+    spec = WorkerProcess(args.app, args.url, config, burst=args.burst, metrics_port=args.metrics_port,
+                         metrics_addr=args.metrics_addr, log_level=args.log_level)
+    if args.processes == 1:
+        return run_worker_process(spec)
+    queue = load_app(args.app)
+    engine = make_engine(args.url, pool_size=config.pool_size)
+    queue.check_schema(engine)
+    engine.dispose()
+    child = replace(spec, url=engine.url.render_as_string(hide_password=False))
+    return supervise(child, args.processes, queue, engine, args.name)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

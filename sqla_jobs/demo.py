@@ -13,11 +13,11 @@ from typing import Any
 from sqlalchemy import String, create_engine, func, select
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
+from ._app import JobQueue
 from ._backoff import Backoff
 from ._context import current_job
 from ._models import DeadJobMixin, JobMixin
-from .queue import JobQueue
-from .worker import Worker
+from ._worker import Worker
 
 
 class Base(DeclarativeBase):

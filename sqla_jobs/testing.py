@@ -33,9 +33,9 @@ from typing import Any
 from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session
 
+from ._app import EVENTS, JobEvent, JobQueue
+from ._worker import Worker
 from .errors import ConfigError
-from .queue import EVENTS, JobEvent, JobQueue
-from .worker import Worker
 
 __all__ = ["JobsFailed", "RunReport", "assert_enqueued", "eager", "make_due", "run_due"]
 

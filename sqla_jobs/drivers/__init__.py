@@ -24,7 +24,7 @@ and may override, where the database offers more: ``begin_write`` (take the
 write lock up front), ``skip_locked`` (pass over locked rows), ``prune_lock``,
 ``insert_many`` (a bulk protocol; ``supports_copy``), ``notify`` /
 ``has_notify_trigger`` / ``channel`` / ``attach_table_events`` /
-``wake_trigger_migration`` (wake-ups; ``supports_listen``), ``harden``
+``wake_trigger_migration`` / ``listener`` (wake-ups; ``supports_listen``), ``harden``
 (keepalives), ``normalise_url`` (the DBAPI driver sqla-jobs ships),
 ``hot_connection_autocommit``, ``create``, ``prepare``, ``index_names``;
 and, where the database has no ``UPDATE … RETURNING`` (MariaDB/MySQL), the

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
@@ -46,6 +46,7 @@ from sqlalchemy.sql.elements import ColumnElement
 from ..errors import ConfigError
 from . import pg_keepalive
 from .base import Claimed, Driver, Fence, IndexDefinition
+from .pg_listen import PgListener
 
 __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_trigger_name"]
 
@@ -162,6 +163,9 @@ class PostgreSQLDriver(Driver):
     @property
     def channel(self) -> str:
         return self._channel
+
+    def listener(self, engine: Engine, wake: Callable[[], None], worker_name: str) -> PgListener | None:
+        return PgListener(engine, self._channel, wake, worker_name) if self.supports_listen else None
 
     # -- class level ---------------------------------------------------------------
 

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
+from .._app import JobQueue
 from ..errors import ConfigError
-from ..queue import JobQueue
 from ._samples import KEEP, SAMPLE_INTERVAL, record_sample, samples_table
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from .._app import JobQueue
 from ..errors import ConfigError
-from ..queue import JobQueue
 from . import _actions, _pages
 from ._samples import KEEP, SAMPLE_INTERVAL
 from ._security import Guard

@@ -15,11 +15,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
+from .._app import JobQueue
 from .._durations import format_duration, parse_duration
 from .._models import STATES
 from ..drivers import _dashboard as sql_dashboard
 from ..errors import ConfigError
-from ..queue import JobQueue
 from . import _samples
 from ._security import CSRF_COOKIE, Guard
 

@@ -44,8 +44,8 @@ from sqlalchemy import (
     text,
 )
 
+from .._app import JobQueue
 from ..drivers import _dashboard as sql_dashboard
-from ..queue import JobQueue
 
 __all__ = ["KEEP", "SAMPLE_INTERVAL", "due", "record_sample", "samples_table", "series"]
 

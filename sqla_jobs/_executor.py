@@ -1,0 +1,266 @@
+"""The worker's handler threads: they run user code and nothing else.
+
+The control loop hands the executor each claimed job (``submit``); the
+handler is resolved there, once, and travels with the run (``Run.handler``) to
+the thread that executes it, so no thread looks anything up by key. A thread
+runs the handler with its job context set (``current_job()``), inside
+``_outage.watch()`` so a failure caused by the queue database dropping is told
+apart from the handler's own, and puts the ``Outcome`` on a queue the control
+loop drains with ``collect``. A transactional handler runs in a session whose
+commit also finishes the job (``Driver.finish``, fenced by the claim token).
+
+A run can be abandoned (timed out, lease lost, given back at shutdown): its
+thread may go on, but its result is discarded. ``abandon`` and a transactional
+run starting its commit are ordered by one lock, so a run that holds its
+fenced finish is never abandoned: its fate is its commit's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue as stdlib_queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.orm import Session
+
+from ._app import JobEvent, JobQueue
+from ._context import JobContext, _current
+from ._outage import DatabaseKey, watch
+from .drivers.base import Claimed, Driver, Fence
+from .errors import JobCancel, JobSnooze
+
+__all__ = ["Executor", "Outcome", "Run"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+
+class _ClaimLost(Exception):
+    """The job's row was no longer ours when its transactional handler tried to finish it."""
+
+
+@dataclass
+class Run:
+    """One claimed job on its way through a handler thread."""
+
+    job: Claimed
+    handler: Any  # the queue's handler for job.kind, resolved once at claim; None for an unknown kind
+    ctx: JobContext
+    started: float
+    deadline: float | None
+    abandoned: bool = False  # timed out, lost or given back: the thread's result is discarded
+    # Its transaction holds the fenced finish and is committing: from then on the
+    # run's fate is that commit's, so it is never abandoned (see Executor.abandon).
+    finishing: bool = False
+
+
+@dataclass
+class Outcome:
+    """What became of one run, waiting to be written."""
+
+    job: Claimed
+    result: str  # ok | committed | error | outage | snooze | cancel | lost
+    duration: float
+    error: str = ""
+    delay: float = 0.0
+    written: bool = False
+    # The failure came after the fenced finish, from the commit itself: the commit may have
+    # applied with its reply lost, so a write that finds the job no longer running checks.
+    committing: bool = False
+
+
+class Executor:
+    """``concurrency`` handler threads and the runs they hold (touched by the control thread only,
+    except ``Run.abandoned``/``finishing``, which the lock orders)."""
+
+    def __init__(self, engine: Engine, queue: JobQueue[Any, Any], sql: Driver, concurrency: int,
+                 worker_name: str, database: DatabaseKey, wake: threading.Event) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.sql = sql
+        self.concurrency = concurrency
+        self.worker_name = worker_name
+        self._database = database
+        self._wake = wake
+        self._todo: stdlib_queue.SimpleQueue[Run | None] = stdlib_queue.SimpleQueue()
+        self._done: stdlib_queue.SimpleQueue[tuple[Run, Outcome]] = stdlib_queue.SimpleQueue()
+        self.running: dict[Fence, Run] = {}
+        self._fate = threading.Lock()  # orders abandon against a transactional run starting to commit
+        self._abandoned = 0  # how many of running were given up on
+        self._timed = 0  # how many of running have a timeout to watch
+        self._threads: list[threading.Thread] = []
+
+    # -- the control thread's side ---------------------------------------------------
+
+    def start(self) -> None:
+        self._threads = [threading.Thread(target=self._thread_main, daemon=True) for _ in range(self.concurrency)]
+        for thread in self._threads:
+            thread.start()
+
+    def shutdown(self) -> None:
+        """Let idle threads end (a thread still in a handler ends when it returns)."""
+        for _ in self._threads:
+            self._todo.put(None)
+
+    def submit(self, job: Claimed, now: float) -> Run:
+        """Start a claimed job: resolve its handler once and queue the run for a thread."""
+        handler = self.queue.handlers.get(job.kind)
+        timeout = handler.timeout if handler else None
+        ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.worker_name)
+        run = Run(job, handler, ctx, now, now + timeout if timeout else None)
+        self.running[job.fence] = run
+        if timeout:
+            self._timed += 1
+        self._todo.put(run)
+        return run
+
+    def collect(self, take: Callable[[Outcome], None]) -> None:
+        """Pass each outcome the threads produced to ``take``; free their slots."""
+        while True:
+            try:
+                run, outcome = self._done.get_nowait()
+            except stdlib_queue.Empty:
+                return
+            self.running.pop(run.job.fence, None)
+            if run.deadline is not None:
+                self._timed -= 1
+            if run.abandoned:
+                self._abandoned -= 1
+                log.warning("job %d %s: handler returned after its run was abandoned; result (%s) discarded",
+                            run.job.id, run.job.kind, outcome.result)
+                continue
+            take(outcome)
+
+    @property
+    def live_count(self) -> int:
+        """Runs whose result still counts (checked several times per job, so not a list)."""
+        return len(self.running) - self._abandoned
+
+    def live(self) -> list[Run]:
+        return [run for run in self.running.values() if not run.abandoned]
+
+    def has_outcomes(self) -> bool:
+        return not self._done.empty()
+
+    def abandon(self, run: Run) -> bool:
+        """Give up on a run: its thread may go on, but its result will be discarded.
+
+        Returns False, and changes nothing, when the run's transaction already
+        holds its fenced finish and is committing: the job is then finished by
+        that commit (or, if the commit fails, its error is written as usual), so
+        discarding the result would misreport a job that did finish.
+        """
+        with self._fate:
+            if run.finishing:
+                return False
+            if not run.abandoned:
+                run.abandoned = True
+                self._abandoned += 1
+                run.ctx.cancelled.set()
+            return True
+
+    def timed_out(self, now: float) -> list[Outcome]:
+        """Abandon the runs past their kind's timeout; their failures, to be written."""
+        if not self._timed:
+            return []
+        failed = []
+        for run in self.live():
+            if run.deadline is not None and now > run.deadline and self.abandon(run):
+                timeout = run.deadline - run.started
+                failed.append(Outcome(run.job, "error", now - run.started,
+                                      f"TimeoutError: handler ran past its {timeout:g}s timeout"))
+        return failed
+
+    # -- handler threads -------------------------------------------------------------
+
+    def _thread_main(self) -> None:
+        loop: asyncio.AbstractEventLoop | None = None
+        while True:
+            run = self._todo.get()
+            if run is None:
+                if loop is not None:
+                    loop.close()
+                return
+            if run.abandoned:  # given back (shutdown) before it started: it must not start now
+                outcome = Outcome(run.job, "lost", 0.0)
+            else:
+                if run.handler is not None and run.handler.is_async and loop is None:
+                    loop = asyncio.new_event_loop()
+                outcome = self._execute(run, loop)
+            self._done.put((run, outcome))
+            # Wake the control loop when there is something to do, not after every job: the
+            # first outcome starts its flush timer (flush_interval), and a failure, half the
+            # threads done (enough to claim a batch) or all of them done calls for a turn now.
+            waiting = self._done.qsize()
+            if (waiting == 1 or outcome.result != "ok" or waiting * 2 >= self.concurrency
+                    or waiting >= self.live_count):
+                self._wake.set()
+
+    def _execute(self, run: Run, loop: asyncio.AbstractEventLoop | None) -> Outcome:
+        job, ctx, handler = run.job, run.ctx, run.handler
+        started = time.monotonic()
+
+        def outcome(result: str, error: str = "", delay: float = 0.0) -> Outcome:
+            return Outcome(job, result, time.monotonic() - started, error, delay)
+
+        if handler is None:
+            return outcome("error", f"UnknownKind: {self.queue.unknown_kind_message(job.kind)}")
+        if self.queue.listens("started"):
+            self.queue.emit(JobEvent("started", job.id, job.kind, job.queue, job.attempt, job.max_attempts))
+        token = _current.set(ctx)
+        dropped: set[Any]
+        try:
+            with watch() as dropped:
+                if handler.transactional:
+                    self._execute_in_transaction(run)
+                    return outcome("committed")
+                if handler.is_async:
+                    assert loop is not None
+                    loop.run_until_complete(asyncio.wait_for(handler.fn(job.payload), handler.timeout))
+                else:
+                    handler.fn(job.payload)
+                return outcome("ok")
+        except JobSnooze as snooze:
+            return outcome("snooze", delay=snooze.seconds)
+        except JobCancel as cancel:
+            return outcome("cancel", f"JobCancel: {cancel.reason}")
+        except _ClaimLost:
+            return outcome("lost")
+        except asyncio.TimeoutError:
+            return outcome("error", f"TimeoutError: handler ran past its {handler.timeout:g}s timeout")
+        except BaseException as exc:
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                log.warning("job %d %s: handler raised %s; treated as a failure", job.id, job.kind, type(exc).__name__)
+            # A connection to the queue database dropped or could not be opened during this
+            # attempt (see _outage.py): the failure is the outage's, not the job's.
+            failed = outcome("outage" if self._database in dropped else "error", f"{type(exc).__name__}: {exc}")
+            failed.committing = run.finishing
+            return failed
+        finally:
+            _current.reset(token)
+
+    def _execute_in_transaction(self, run: Run) -> None:
+        """The handler's writes and the job's completion commit together, or not at all."""
+        with Session(self.engine) as session:
+            self.sql.begin_write(session.connection())
+            run.ctx.session = session
+            try:
+                run.handler.fn(run.job.payload)
+                session.flush()
+                if run.abandoned or not self.sql.finish(session.connection(), [run.job.fence]):
+                    raise _ClaimLost()
+                with self._fate:  # from here the job is finished iff this commit succeeds
+                    if run.abandoned:
+                        raise _ClaimLost()
+                    run.finishing = True
+            except BaseException:
+                session.rollback()
+                raise
+            finally:
+                run.ctx.session = None
+            session.commit()

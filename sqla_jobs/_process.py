@@ -1,0 +1,52 @@
+"""One worker process, from its settings: what ``sqla-jobs worker`` runs, and each ``--processes`` child.
+
+``WorkerProcess`` holds everything a worker process needs, already parsed and
+checked (``WorkerConfig``), and pickles, so the supervisor hands it to a child
+as it is instead of rebuilding a command line. ``run_worker_process`` imports
+the app, opens the engine with the pool a worker needs, serves metrics if
+asked and runs the ``Worker``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sqlalchemy import Engine
+
+from ._bootstrap import load_app, make_engine
+from ._worker import Worker
+from ._worker_config import WorkerConfig
+from .errors import ConfigError
+
+__all__ = ["WorkerProcess", "run_worker_process"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+
+@dataclass(frozen=True)
+class WorkerProcess:
+    app: str | None
+    url: str | None  # as given (normalised by make_engine); with its password, for a child
+    config: WorkerConfig
+    burst: bool = False
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    log_level: str = "INFO"
+
+
+def run_worker_process(spec: WorkerProcess, engine: Engine | None = None) -> int:
+    """Run one worker until it stops; its exit status."""
+    queue = load_app(spec.app)
+    if engine is None:
+        engine = make_engine(spec.url, pool_size=spec.config.pool_size)
+    worker = Worker._from_config(engine, queue, spec.config)
+    if spec.metrics_port is not None:
+        from .metrics import QueueMetrics  # raises ConfigError naming the extra when it is missing
+
+        try:
+            QueueMetrics(queue, engine).serve(spec.metrics_port, spec.metrics_addr)
+        except OSError as exc:
+            raise ConfigError(f"--metrics-port {spec.metrics_port}: cannot listen on "
+                              f"{spec.metrics_addr}:{spec.metrics_port} ({exc.strerror or exc})") from None
+    return worker.run(burst=spec.burst)

@@ -1,0 +1,198 @@
+"""The worker's database side: every read and write the control loop asks for, through the driver.
+
+One ``Store`` per worker. It owns the control thread's hot connection (on
+PostgreSQL one autocommit connection: each hot write is one fenced statement,
+atomic on its own, so a BEGIN/COMMIT round trip would buy nothing), writes
+outcomes (``finish_and_claim`` for the batch of successes plus the claim in one
+round trip, ``write_one`` for the rare outcomes), heartbeats, reaps, prunes and
+gives jobs back, and reports each written outcome to the log and the hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+
+from ._app import JobEvent, JobQueue
+from ._executor import Outcome
+from ._lost import hand_back
+from ._reconnect import retry_pause
+from .drivers.base import Claimed, Driver, Fence
+
+__all__ = ["MAX_UNCOUNTED_OUTAGES", "Store"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+_DETAIL = {
+    "finished": "finished",
+    "failed": "failed, retry in {o.delay:.0f}s: {o.error}",
+    "dead_letter": "failed for good, moved to dead letters: {o.error}",
+    "cancelled": "cancelled: {o.error}",
+    "snoozed": "snoozed for {o.delay:g}s",
+    "lost": "claim lost (lease expired or job taken over): result discarded",
+    "outage": "the queue database was unreachable, retry at once, attempt not counted: {o.error}",
+}
+#: Attempts interrupted by an outage of the queue database are refunded this many times per job; after
+#: that they count, so a handler that itself breaks the server (a query that crashes its backend) still
+#: ends in the dead letters instead of retrying forever.
+MAX_UNCOUNTED_OUTAGES = 10
+_UNCOUNTED = "(queue database unreachable, attempt not counted)"
+# What hooks hear of each outcome: an outage is a failed run that is retried.
+_EVENT = {**{name: name for name in _DETAIL}, "outage": "failed"}
+
+
+class Store:
+    def __init__(self, engine: Engine, queue: JobQueue[Any, Any], sql: Driver, worker_name: str,
+                 lease: float, queues: Sequence[str] | None) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.sql = sql
+        self.worker_name = worker_name
+        self.lease = lease
+        self.queues = list(queues) if queues else None
+        self._conn: Connection | None = None
+        self.processed = 0  # outcomes written
+
+    def prepare(self, listen: bool, poll_interval: float) -> None:
+        """Before the first claim: the schema is the app's, the driver is ready, wake-ups can work."""
+        self.queue.check_schema(self.engine)
+        self.sql.prepare(self.engine)
+        if listen:
+            with self.engine.connect() as conn:
+                if not self.sql.has_notify_trigger(conn):
+                    log.warning("worker %s: table %s has no NOTIFY trigger, so new jobs are found by polling "
+                                "every %gs; add it with `sqla-jobs migrations render` or `create-tables`",
+                                self.worker_name, self.sql.jobs.fullname, poll_interval)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def retry_pause(self, exc: BaseException, failures: int) -> float:
+        return retry_pause(self.sql, self.engine, exc, failures)
+
+    @contextmanager
+    def _hot(self) -> Iterator[Connection]:
+        """The connection for single-statement writes (claim, finish, heartbeat, release).
+
+        Writes of several statements (dead-lettering, the reaper) use ``Driver.write``.
+        """
+        if not self.sql.hot_connection_autocommit:
+            with self.sql.write(self.engine) as conn:
+                yield conn
+            return
+        if self._conn is None:
+            self._conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            yield self._conn
+        except DBAPIError:
+            conn, self._conn = self._conn, None
+            try:
+                conn.invalidate()
+                conn.close()
+            except Exception:
+                pass
+            raise
+
+    # -- the hot path ------------------------------------------------------------------
+
+    def finish_and_claim(self, ok: list[Outcome], limit: int, token: str, alone: bool) -> tuple[list[Claimed], bool]:
+        """Mark ``ok`` finished and claim up to ``limit`` jobs, in one round trip; report the finished ones.
+
+        Returns the claimed jobs and whether a job that must run alone is waiting.
+        """
+        with self._hot() as conn:
+            kept, jobs, waiting = self.sql.finish_and_claim(
+                conn, [o.job.fence for o in ok], limit, self.worker_name, token, self.lease, self.queues,
+                alone=alone,
+            )
+        for o in ok:
+            o.written = True
+            self.report(o, "finished" if o.job.id in kept else "lost")
+        return jobs, waiting
+
+    def heartbeat(self, fences: list[Fence]) -> set[Fence]:
+        """Extend the leases of ``fences``; returns those still ours."""
+        with self._hot() as conn:
+            return self.sql.heartbeat(conn, fences, self.lease)
+
+    def give_back(self, fences: list[Fence]) -> int:
+        with self._hot() as conn:
+            return self.sql.give_back(conn, fences)
+
+    # -- the rare outcomes -------------------------------------------------------------
+
+    def write_one(self, o: Outcome) -> None:
+        """Write a failure, snooze, cancel, outage (or report a committed / lost run) in its own transaction."""
+        job = o.job
+        if o.result == "committed":
+            self.report(o, "finished")
+            return
+        if o.result == "lost":
+            self.report(o, "lost")
+            return
+        sql = self.sql
+        # Whether a cancel was requested while the job ran decides what the write is.
+        with sql.write(self.engine) as conn:
+            if o.result in ("snooze", "error", "outage") and sql.cancel_requested(conn, job.fence):
+                # `jobs cancel` came while it ran: no retry, no dead letter.
+                applied = sql.release(conn, job.fence, error=o.error or None, attempt=job.attempt, cancel=True)
+                name = "cancelled"
+            elif o.result == "snooze":
+                applied = sql.release(conn, job.fence, delay=o.delay, refund=True)
+                name = "snoozed"
+            elif o.result == "outage" and self._outages(conn, job.fence) < MAX_UNCOUNTED_OUTAGES:
+                # Not the job's fault: refund the attempt, keep the error for the record.
+                applied = sql.release(conn, job.fence, error=f"{o.error} {_UNCOUNTED}",
+                                      attempt=job.attempt, refund=True)
+                name = "outage"
+            elif o.result == "cancel":
+                applied = sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
+                name = "cancelled"
+            elif job.attempt >= job.max_attempts:
+                applied = sql.dead_letter(conn, job.fence, o.error)
+                name = "dead_letter"
+            else:
+                o.delay = self.queue.retry_delay(job.kind, job.attempt)
+                applied = sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
+                name = "failed"
+            if not applied and o.committing and sql.finished_under(conn, job.fence):
+                applied, name = True, "finished"  # the commit went through; only its reply was lost
+        self.report(o, name if applied else "lost")
+
+    def _outages(self, conn: Connection, fence: Fence) -> int:
+        """How many attempts of this job were already refunded for outages (a rare path: one read)."""
+        return sum(_UNCOUNTED in str(e.get("error", "")) for e in self.sql.errors_of(conn, fence))
+
+    def report(self, o: Outcome, name: str) -> None:
+        job = o.job
+        self.processed += 1
+        level = logging.WARNING if name in ("dead_letter", "lost") else logging.INFO
+        if log.isEnabledFor(level):  # this runs per job: format only what is printed
+            log.log(level, "job %d %s attempt %d/%d (%.1f ms): %s", job.id, job.kind, job.attempt,
+                    job.max_attempts, o.duration * 1000, _DETAIL[name].format(o=o))
+        event = _EVENT[name]
+        if self.queue.listens(event):
+            self.queue.emit(JobEvent(event, job.id, job.kind, job.queue, job.attempt, job.max_attempts,
+                                     o.duration, o.error or None))
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    def reap(self) -> None:
+        """Hand back jobs whose worker vanished, by the rules of sqla_jobs._lost (the lost attempt counts,
+        and the job's next run is alone in its worker process)."""
+        hand_back(self.queue, self.engine, self.sql, self.sql.expired,
+                  "worker {row.locked_by} stopped heartbeating (lease expired)")
+
+    def prune(self, older_than: float, batch: int) -> int:
+        """Delete one batch of old finished jobs (one worker at a time: the driver's prune lock)."""
+        deleted = self.queue.prune(self.engine, older_than=older_than, batch_size=batch, max_batches=1)
+        if deleted:
+            log.info("worker %s: pruned %d finished job(s) older than %gs", self.worker_name, deleted, older_than)
+        return deleted

@@ -1,0 +1,180 @@
+"""The worker: claims due jobs, runs their handlers on threads, records the outcome.
+
+::
+
+    Worker(engine, queue, concurrency=8).run()          # until SIGTERM / SIGINT
+    Worker(engine, queue).run(burst=True)               # every due job, then return
+
+or ``sqla-jobs worker --url ... --app myapp.jobs:queue``.
+
+One control thread talks to the database; ``concurrency`` handler threads only
+run user code. The parts (docs/development.md, "The worker's parts"):
+
+* ``_worker_config.WorkerConfig``: the settings, checked once, and the pool rule;
+* ``_control.Control``: the control loop, decisions only;
+* ``_store.Store``: every read and write the loop asks for, through the driver;
+* ``_executor.Executor``: the handler threads, job context, transactional handlers;
+* the driver's ``listener`` (PostgreSQL LISTEN/NOTIFY, ``drivers/pg_listen.py``);
+* ``_signals``: SIGTERM / SIGINT; ``_supervisor``: ``--processes``.
+
+The control loop, on each turn:
+
+1. fails runs that passed their kind's timeout;
+2. every ``heartbeat`` seconds extends the leases of running jobs and hands
+   jobs whose lease ran out (their worker died) back to the queue;
+3. writes failures, snoozes and cancels one by one (retry with backoff, or
+   dead-letter on the last attempt);
+4. in one round trip, marks the batch of successful runs finished and claims
+   jobs for the free threads (``Driver.finish_and_claim``); successes wait up to
+   ``flush_interval`` to be batched, and a claim waits until half the threads
+   are free, unless the worker is idle; a job whose last worker was lost
+   runs alone (claimed only by an idle worker, which then claims nothing
+   else until it ends: see sqla_jobs._lost);
+5. sleeps until handler threads have something for it, a NOTIFY arrives
+   (PostgreSQL) or ``poll_interval`` passes.
+
+A database error on any step is logged and retried: at once after a lost
+connection while the server answers (at most half a second apart while it does
+not; see ``_reconnect.retry_pause``), with backoff after any other error. Outcomes
+not yet written stay in memory and are written after reconnecting. They are
+fenced by the claim token, so if the lease ran out meanwhile and another
+worker took the job, the stale result is discarded and logged, never applied.
+A handler that failed because a connection to the queue database dropped
+under it (_outage.py) has its attempt refunded, not charged.
+
+On SIGTERM or SIGINT the worker stops claiming, lets running handlers finish
+for up to ``grace`` seconds, gives the rest back to the queue (the attempt is
+refunded, the job runs again promptly) and returns 0. A second signal exits
+at once; the leases cover whatever was running. A signal that arrives while
+the worker starts is a stop too: it returns 0 before its first claim.
+
+With ``prune_after`` (seconds; ``--prune-finished-older-than`` on the command
+line) the control loop also deletes finished and cancelled jobs older than
+that, one small batch at a time and one worker at a time (see
+docs/howto/operations.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Engine
+
+from . import _signals
+from ._app import JobQueue
+from ._control import Control
+from ._executor import Executor
+from ._outage import database_key
+from ._store import Store
+from ._worker_config import WorkerConfig, check_pool
+from .drivers.base import Driver
+
+__all__ = ["Worker"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+
+class Worker:
+    """Runs jobs from ``queue`` using ``engine``. See the module docstring.
+
+    The settings are checked by ``WorkerConfig`` (``ConfigError`` naming the
+    wrong value), the same check ``sqla-jobs worker`` and ``bench`` go through.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        queue: JobQueue[Any, Any],
+        *,
+        concurrency: int = 4,
+        queues: Sequence[str] | None = None,
+        lease: float = 60.0,
+        heartbeat: float | None = None,
+        poll_interval: float = 1.0,
+        grace: float = 30.0,
+        batch_size: int = 100,
+        flush_interval: float = 0.002,
+        listen: bool = True,
+        name: str | None = None,
+        prune_after: float | None = None,
+    ) -> None:
+        self._setup(engine, queue, WorkerConfig(
+            concurrency=concurrency, queues=tuple(queues) if queues else None, lease=lease, heartbeat=heartbeat,
+            poll_interval=poll_interval, grace=grace, batch_size=batch_size, flush_interval=flush_interval,
+            listen=listen, name=name, prune_after=prune_after,
+        ))
+
+    @classmethod
+    def _from_config(cls, engine: Engine, queue: JobQueue[Any, Any], config: WorkerConfig) -> Worker:
+        """A worker from settings already checked (the CLI, a supervised process, the bench)."""
+        worker = cls.__new__(cls)
+        worker._setup(engine, queue, config)
+        return worker
+
+    def _setup(self, engine: Engine, queue: JobQueue[Any, Any], config: WorkerConfig) -> None:
+        self.config = config
+        self.engine = engine
+        self.queue = queue
+        self.sql: Driver = queue.driver(engine)
+        self.name = config.worker_name
+        # Kept as attributes: callers and older code read them.
+        self.concurrency = config.concurrency
+        self.lease = config.lease
+        self.heartbeat = config.heartbeat_every
+        self.listen = config.listen and self.sql.supports_listen
+        check_pool(engine, config)
+        self.sql.harden(engine, self.name)  # keepalives, timeouts, application_name: see the driver
+        self._wake = threading.Event()
+        self._store = Store(engine, queue, self.sql, self.name, config.lease, config.queues)
+        self._executor = Executor(engine, queue, self.sql, config.concurrency, self.name,
+                                  database_key(engine.url), self._wake)
+        self._control = Control(config, self._store, self._executor, self._wake)
+
+    @property
+    def processed(self) -> int:
+        """Outcomes written so far (for tests and the bench)."""
+        return self._store.processed
+
+    def _reap(self) -> None:
+        """One pass of the lease reaper on its own (the reliability tests race it against other writes)."""
+        self._store.reap()
+
+    def stop(self) -> None:
+        """Ask the worker to shut down gracefully (thread-safe)."""
+        self._control.stopping = True
+        self._wake.set()
+
+    def run(self, *, burst: bool = False, install_signals: bool = True) -> int:
+        """Process jobs until stopped (or, with ``burst``, until no job is due). Returns 0.
+
+        With ``install_signals`` (on the main thread), SIGTERM and SIGINT stop
+        the worker gracefully and a second one exits at once; the handlers that
+        were there before are restored when ``run`` returns.
+        """
+        had_signals = _signals.current() is not None
+        signals = _signals.stop_signals() if install_signals else None
+        try:
+            self._store.prepare(self.listen, self.config.poll_interval)
+            self._executor.start()
+            listener = self.sql.listener(self.engine, self._wake.set, self.name) if self.listen else None
+            if listener is not None:
+                listener.start()
+            if signals is not None:
+                signals.attach(f"worker {self.name}", self.stop)
+            log.info("worker %s started: concurrency %d, lease %gs", self.name, self.concurrency, self.lease)
+            try:
+                self._control.run(burst)
+            finally:
+                if listener is not None:
+                    listener.stop()
+                self._store.close()
+                self._executor.shutdown()
+        finally:
+            if signals is not None and not had_signals:
+                _signals.release_stop_signals()
+        log.info("worker %s stopped after %d jobs", self.name, self.processed)
+        return 0
+

@@ -1,0 +1,126 @@
+"""What a driver knows before it has tables to work on: URLs, engines, DDL, index rules, the bench.
+
+Mixed into ``Driver`` (base.py). These are class-level hooks: the registry,
+``_bootstrap.make_engine``, the models' DDL events and the alembic helpers
+call them with only a URL, a table or a connection in hand.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import Connection, DateTime, Engine, Index, Table, insert
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.functions import FunctionElement
+
+__all__ = ["DatabaseNow", "IndexDefinition", "Setup", "index_dialects"]
+
+
+class DatabaseNow(FunctionElement[datetime]):
+    """The database clock as a column's server default: ``CURRENT_TIMESTAMP`` unless a driver says otherwise.
+
+    A backend whose timestamp columns have no time zone compiles it to its UTC clock
+    (``drivers/mysql.py``), so a row's default is right whatever the session's time zone.
+    """
+
+    type = DateTime(timezone=True)
+    name = "current_timestamp"
+    inherit_cache = True
+
+
+@compiles(DatabaseNow)
+def _current_timestamp(element: DatabaseNow, compiler: Any, **kw: Any) -> str:
+    return "CURRENT_TIMESTAMP"
+
+
+def index_dialects(index: Index) -> tuple[str, ...] | None:
+    """The dialect names an index of the index rules is for (``Index.ddl_if(dialect=...)``); None: every one."""
+    rule = getattr(index, "_ddl_if", None)  # where SQLAlchemy keeps ddl_if's condition
+    if rule is None or rule.dialect is None:
+        return None
+    return (rule.dialect,) if isinstance(rule.dialect, str) else tuple(rule.dialect)
+
+
+#: What a backend's index reflection gives the alembic comparator: unique, elements (``"priority DESC"``),
+#: predicate as SQL text; None for an index that exists but whose definition cannot be read.
+IndexDefinition = tuple[bool, tuple[str, ...], "str | None"]
+
+
+
+class Setup:
+    """Class-level hooks of a driver; the defaults suit the plainest backend."""
+
+    name: ClassVar[str] = ""
+    url_aliases: ClassVar[tuple[str, ...]] = ()
+    jobs: Table
+
+    @classmethod
+    def normalise_url(cls, url: URL) -> URL:
+        """The URL with the DBAPI driver sqla-jobs ships for this backend."""
+        return url
+
+    @classmethod
+    def connect_args(cls, url: URL) -> tuple[URL, dict[str, Any]]:
+        """``url`` less the query settings sqla-jobs reads itself, and the ``connect()`` arguments they mean."""
+        return url, {}
+
+    @classmethod
+    def missing_database(cls, url: URL) -> str | None:
+        """Where ``url``'s database would be if it does not exist and connecting would create it (a file)."""
+        return None
+
+    @classmethod
+    def attach_table_events(cls, table: Table) -> None:
+        """Hook DDL that must follow ``CREATE TABLE`` of a jobs table (e.g. a wake-up trigger)."""
+
+    @classmethod
+    def wake_trigger_migration(cls, table: Table) -> tuple[str, str, str] | None:
+        """Alembic upgrade and downgrade code for this backend's wake-up trigger and a one-line summary,
+        or None (it has none).
+
+        The code guards itself on the dialect, so one revision serves every backend.
+        """
+        return None
+
+    @classmethod
+    def applies(cls, index: Index) -> bool:
+        """Whether ``index`` is built on this backend (the index rules may name the dialects an index is for)."""
+        names = index_dialects(index)
+        return names is None or bool(set(names) & {cls.name, *cls.url_aliases})
+
+    @classmethod
+    def creates_schemas(cls) -> bool:
+        """Whether a table's ``schema`` is a namespace to create (False: an attached database, say)."""
+        return False
+
+    @classmethod
+    def reflect_indexes(cls, conn: Connection, schema: str | None, table: str) -> dict[str, IndexDefinition | None]:
+        """The indexes of ``table`` as the database has them, for the alembic comparator."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_reflected_table(cls, conn: Connection, schema: str | None, table: Table) -> None:
+        """Log what alembic cannot restore about ``table`` as the database has it (nothing by default)."""
+
+    @classmethod
+    @contextmanager
+    def bench_scratch(cls, url: URL) -> Iterator[URL]:
+        """A URL whose tables are the bench's own, removed afterwards."""
+        raise NotImplementedError
+        yield url  # pragma: no cover
+
+    def harden(self, engine: Engine, worker_name: str) -> None:
+        """Make ``engine``'s connections notice a dead network (nothing by default)."""
+
+    def is_disconnect(self, exc: BaseException) -> bool:
+        """Whether ``exc`` means the connection (or the server) is gone, not that a statement failed."""
+        return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+    def bench_fill_finished(self, conn: Connection, rows: int) -> None:
+        """Insert ``rows`` old finished jobs, as an unpruned queue has (the bench's background)."""
+        conn.execute(insert(self.jobs), [{"kind": "noop", "payload": {}, "state": "finished", "attempts": 1}] * rows)

@@ -1,0 +1,59 @@
+"""A worker's settings are checked in one place, whichever way they come (Python, the CLI), and a Python
+caller whose engine pool is too small for its concurrency is told so."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from sqlalchemy import create_engine
+
+from sqla_jobs import ConfigError, Worker
+from tests import app
+from tests.conftest import Database, run_cli
+from tests.helpers import count, enqueue, run_burst
+from tests.test_cli import APP, clean_env
+
+
+@pytest.mark.parametrize(("setting", "value", "message"), [
+    ("lease", -1.0, "lease must be > 0 seconds, got -1.0"),
+    ("poll_interval", 0.0, "poll_interval must be > 0 seconds, got 0.0"),
+    ("grace", -5.0, "grace must be >= 0 seconds, got -5.0"),
+    ("batch_size", 0, "batch_size must be at least 1, got 0"),
+    ("concurrency", 0, "concurrency must be at least 1, got 0"),
+    ("heartbeat", 30.0, "heartbeat (30.0s) must be > 0 and at most lease / 3 (20s)"),
+    ("prune_after", -1.0, "prune_after must be >= 0 seconds"),
+])
+def test_a_bad_setting_is_named_with_its_value(db: Database, setting: str, value: float, message: str) -> None:
+    with pytest.raises(ConfigError) as raised:
+        Worker(db.engine, app.queue, **{setting: value})
+    assert message in str(raised.value)
+
+
+def test_the_cli_names_the_wrong_value() -> None:
+    result = run_cli("worker", "--lease", "-1", "--url", "sqlite:///x.db", *APP, env=clean_env())
+    assert result.returncode == 2
+    assert "lease must be > 0 seconds, got -1.0" in result.stderr and "batch_size" not in result.stderr
+
+
+def test_a_pool_too_small_for_the_concurrency_is_reported(db: Database, caplog: pytest.LogCaptureFixture) -> None:
+    small = create_engine(db.url, pool_size=2, max_overflow=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sqla_jobs.worker"):
+            Worker(small, app.queue, concurrency=8)
+        [warning] = [r.getMessage() for r in caplog.records if "pool" in r.getMessage()]
+        assert "holds at most 2 connections" in warning and "pool_size=10" in warning
+    finally:
+        small.dispose()
+
+
+def test_a_pool_that_fits_is_not_reported(db: Database, caplog: pytest.LogCaptureFixture) -> None:
+    fits = create_engine(db.url, pool_size=10, max_overflow=0)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sqla_jobs.worker"):
+            ids = [enqueue(fits, "noop") for _ in range(3)]
+            run_burst(fits, concurrency=8)
+        assert not [r for r in caplog.records if "pool" in r.getMessage()]
+        assert count(fits, app.Job, app.Job.id.in_(ids), app.Job.state == "finished") == 3
+    finally:
+        fits.dispose()
