@@ -231,18 +231,27 @@ class Executor:
             return outcome("cancel", f"JobCancel: {cancel.reason}")
         except _ClaimLost:
             return outcome("lost")
-        except asyncio.TimeoutError:
-            return outcome("error", f"TimeoutError: handler ran past its {handler.timeout:g}s timeout")
+        except asyncio.TimeoutError as exc:
+            # Only asyncio.wait_for's own timeout (raised from the cancellation it caused) is the
+            # kind's timeout; a TimeoutError the handler raised itself (a socket, a lock) is an
+            # ordinary failure. On Python 3.11+ asyncio.TimeoutError is the built-in TimeoutError.
+            if handler.is_async and handler.timeout is not None and isinstance(exc.__cause__, asyncio.CancelledError):
+                return outcome("error", f"TimeoutError: handler ran past its {handler.timeout:g}s timeout")
+            return self._failed(run, outcome(""), exc, dropped)
         except BaseException as exc:
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 log.warning("job %d %s: handler raised %s; treated as a failure", job.id, job.kind, type(exc).__name__)
-            # A connection to the queue database dropped or could not be opened during this
-            # attempt (see _outage.py): the failure is the outage's, not the job's.
-            failed = outcome("outage" if self._database in dropped else "error", f"{type(exc).__name__}: {exc}")
-            failed.committing = run.finishing
-            return failed
+            return self._failed(run, outcome(""), exc, dropped)
         finally:
             _current.reset(token)
+
+    def _failed(self, run: Run, failed: Outcome, exc: BaseException, dropped: set[Any]) -> Outcome:
+        """The handler raised: an error, or an outage if a connection to the queue database dropped
+        or could not be opened during this attempt (see _outage.py): then it is not the job's fault."""
+        failed.result = "outage" if self._database in dropped else "error"
+        failed.error = f"{type(exc).__name__}: {exc}"
+        failed.committing = run.finishing
+        return failed
 
     def _execute_in_transaction(self, run: Run) -> None:
         """The handler's writes and the job's completion commit together, or not at all."""

@@ -28,6 +28,11 @@ def slow_fail(payload: dict[str, Any]) -> None:
     raise ValueError(payload.get("message", "boom"))
 
 
+@slow.handler("socket_timeout")
+def socket_timeout(payload: dict[str, Any]) -> None:
+    raise TimeoutError("read timed out")  # what a socket raises: not the kind's own timeout (it has none)
+
+
 @slow.handler("fail_fast_retry", backoff=Backoff(base=90, jitter=0))
 def fail_fast_retry(payload: dict[str, Any]) -> None:
     raise ValueError("per-kind backoff")
@@ -91,6 +96,17 @@ def test_failure_stores_error_and_retries_at_db_now_plus_backoff(db: Database) -
     tolerance = timedelta(seconds=2)
     assert before + timedelta(seconds=600) - tolerance <= utc(row.run_at) <= after + timedelta(seconds=600) + tolerance
     assert [e.name for e in events] == ["failed"]
+
+
+def test_a_timeout_error_raised_by_the_handler_is_an_ordinary_failure(db: Database) -> None:
+    # asyncio.TimeoutError is the built-in TimeoutError: it once took the worker's timeout path
+    # (for a kind with no timeout) and crashed the handler thread instead of failing the job.
+    job_id = enqueue(db.engine, "socket_timeout", max_attempts=3)
+    worker = run_burst(db.engine, slow)
+    row = job(db.engine, job_id)
+    assert row is not None
+    assert (row.state, row.attempts, row.last_error) == ("pending", 1, "TimeoutError: read timed out")
+    assert worker.processed == 1 and [e.name for e in events] == ["failed"]
 
 
 def test_per_kind_backoff_overrides_the_queue(db: Database) -> None:
