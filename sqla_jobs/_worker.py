@@ -122,6 +122,12 @@ class Worker:
         self.name = config.worker_name
         # Kept as attributes: callers and older code read them.
         self.concurrency = config.concurrency
+        self.queues = config.queues
+        self.poll_interval = config.poll_interval
+        self.grace = config.grace
+        self.batch_size = config.batch_size
+        self.flush_interval = config.flush_interval
+        self.prune_after = config.prune_after
         self.lease = config.lease
         self.heartbeat = config.heartbeat_every
         self.listen = config.listen and self.sql.supports_listen
@@ -175,6 +181,6 @@ class Worker:
         finally:
             if signals is not None and not had_signals:
                 _signals.release_stop_signals()
-        log.info("worker %s stopped after %d jobs", self.name, self.processed)
+        log.info("worker %s stopped after %d job attempts", self.name, self.processed)
         return 0
 

@@ -390,6 +390,9 @@ def render_revision(
         _refuse_second_create(queue, script_dir)
     upgrade, downgrade = _migration_ops(queue, connection)
     summary = [line for op in upgrade.ops for line in _describe(op)]
+    if connection is None:  # the per-database indexes _guarded_indexes writes, named like the others
+        summary.extend(sorted({f"create index {ix.name}" for t in _job_metadata(queue).sorted_tables
+                               for ix in t.indexes if index_dialects(ix) is not None}))
     trigger = _notify_trigger_code(queue, connection)
     if trigger is not None:
         summary.extend(trigger[2])
