@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from ._models import STATES, JobMixin, check_row
@@ -27,6 +28,8 @@ from .errors import ConfigError, JobStateError, NotFound
 __all__ = ["Admin"]
 
 J = TypeVar("J", bound=JobMixin)
+# How many lost races (deadlocks) one prune survives before it reports the error.
+_PRUNE_CONFLICT_RETRIES = 20
 
 
 class Admin(Generic[J]):
@@ -197,12 +200,20 @@ class Admin(Generic[J]):
         if older_than < 0 or batch_size < 1:
             raise ConfigError("prune needs older_than >= 0 seconds and batch_size >= 1")
         driver = self.driver(engine)
-        deleted = batches = 0
+        deleted = batches = conflicts = 0
         while max_batches is None or batches < max_batches:
-            with driver.write(engine) as conn:
-                if not driver.prune_lock(conn):
-                    break
-                count = driver.prune_batch(conn, older_than, batch_size)
+            try:
+                with driver.write(engine) as conn:
+                    if not driver.prune_lock(conn):
+                        break
+                    count = driver.prune_batch(conn, older_than, batch_size)
+            except DBAPIError as exc:
+                # Two pruners (or a pruner and a worker) can deadlock on InnoDB; the loser's
+                # batch was rolled back whole, so running it again is safe and is the cure.
+                conflicts += 1
+                if not driver.is_conflict(exc) or conflicts > _PRUNE_CONFLICT_RETRIES:
+                    raise
+                continue
             deleted += count
             batches += 1
             if count < batch_size:

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException, TimeoutException
 from selenium.webdriver.common.by import By
-from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.ui import Select, WebDriverWait
 
 from sqla_jobs.web import dashboard
@@ -35,9 +35,28 @@ def site(db: Database, browser: Any) -> Iterator[str]:
         yield url
 
 
+def wait(browser: Any) -> WebDriverWait[Any]:
+    """Wait up to 20 s; the page may be mid-reload or mid-htmx-swap, so a vanished element is retried."""
+    return WebDriverWait(browser, 20, ignored_exceptions=(NoSuchElementException, StaleElementReferenceException))
+
+
 def text_of(browser: Any, css: str) -> str:
-    return str(WebDriverWait(browser, 20).until(
-        expected_conditions.presence_of_element_located((By.CSS_SELECTOR, css))).text)
+    """The text of the element ``css`` once it exists, read in one go so a refresh cannot stale it."""
+    return str(wait(browser).until(lambda b: [b.find_element(By.CSS_SELECTOR, css).text])[0])
+
+
+def shows(browser: Any, css: str, expected: str) -> bool:
+    """Whether the element ``css`` comes to contain ``expected`` within the wait (False otherwise)."""
+    try:
+        wait(browser).until(lambda b: expected in b.find_element(By.CSS_SELECTOR, css).text)
+    except TimeoutException:
+        return False
+    return True
+
+
+def click(browser: Any, by: str, value: str) -> None:
+    """Click the element, finding it again if a refresh replaced it between finding and clicking."""
+    wait(browser).until(lambda b: b.find_element(by, value).click() or True)
 
 
 def test_overview_figures_match_queue_stats_and_charts_draw(db: Database, browser: Any, site: str) -> None:
@@ -50,10 +69,10 @@ def test_overview_figures_match_queue_stats_and_charts_draw(db: Database, browse
     assert text_of(browser, "#fig-dead") == str(stats.dead_total) == "2"
     assert text_of(browser, "#fig-running") == str(stats.running)
     # The page wrote a sample; uPlot draws it on a canvas (so the vendored scripts load and run).
-    WebDriverWait(browser, 20).until(lambda b: b.find_elements(By.CSS_SELECTOR, '.chart[data-series="ready"] canvas'))
+    wait(browser).until(lambda b: b.find_elements(By.CSS_SELECTOR, '.chart[data-series="ready"] canvas'))
     # The figures are live: a drained queue shows up without a reload (htmx refresh every second).
     run_burst(db.engine)
-    WebDriverWait(browser, 20).until(lambda b: b.find_element(By.ID, "fig-ready").text == "0")
+    assert shows(browser, "#fig-ready", "0")
 
 
 def test_filter_jobs_and_open_one(db: Database, browser: Any, site: str) -> None:
@@ -62,12 +81,13 @@ def test_filter_jobs_and_open_one(db: Database, browser: Any, site: str) -> None
     waiting = enqueue(db.engine, "noop")
     browser.get(site + "/jobs")
     Select(browser.find_element(By.NAME, "state")).select_by_value("finished")
-    browser.find_element(By.ID, "apply").click()
-    WebDriverWait(browser, 20).until(lambda b: "state=finished" in b.current_url)
-    shown = [a.text for a in browser.find_elements(By.CSS_SELECTOR, "#jobs td:first-child a")]
+    click(browser, By.ID, "apply")
+    wait(browser).until(lambda b: "state=finished" in b.current_url)
+    links = "#jobs td:first-child a"
+    shown = wait(browser).until(lambda b: [[a.text for a in b.find_elements(By.CSS_SELECTOR, links)]])[0]
     assert shown == [str(done)] and str(waiting) not in shown
-    browser.find_element(By.LINK_TEXT, str(done)).click()
-    assert text_of(browser, "#job-state") == "finished"
+    click(browser, By.LINK_TEXT, str(done))
+    assert shows(browser, "#job-state", "finished")
     assert "<script>document.title='owned'</script>" in text_of(browser, "#payload")  # shown as text
     assert browser.title != "owned"  # and never run
 
@@ -76,14 +96,14 @@ def test_retry_a_dead_letter_after_logging_in(db: Database, browser: Any, site: 
     [dead_id] = kill(db)
     browser.get(site + "/login")
     browser.find_element(By.ID, "token").send_keys(TOKEN)
-    browser.find_element(By.ID, "login").click()
-    WebDriverWait(browser, 20).until(lambda b: "actions enabled" in b.find_element(By.TAG_NAME, "header").text)
+    click(browser, By.ID, "login")
+    assert shows(browser, "header", "actions enabled")
     browser.get(site + "/dead")
-    browser.find_element(By.LINK_TEXT, str(dead_id)).click()
-    browser.find_element(By.ID, "action-requeue").click()
-    assert "back to the queue" in text_of(browser, "#question")
-    browser.find_element(By.ID, "confirm").click()
-    assert text_of(browser, "#job-state") == "pending"
+    click(browser, By.LINK_TEXT, str(dead_id))
+    click(browser, By.ID, "action-requeue")
+    assert shows(browser, "#question", "back to the queue")
+    click(browser, By.ID, "confirm")
+    assert shows(browser, "#job-state", "pending")
     row = job(db.engine, dead_id)
     assert row is not None and row.state == "pending"
 
@@ -92,6 +112,6 @@ def test_an_action_is_refused_without_the_credential(db: Database, browser: Any,
     [dead_id] = kill(db)
     browser.get(site + f"/jobs/{dead_id}")
     assert "not logged in" in browser.page_source
-    browser.find_element(By.ID, "action-requeue").click()
-    assert text_of(browser, "#heading") == "Refused"
+    click(browser, By.ID, "action-requeue")
+    assert shows(browser, "#heading", "Refused")
     assert job(db.engine, dead_id) is None  # still dead

@@ -121,6 +121,11 @@ class Setup:
         """Whether ``exc`` means the connection (or the server) is gone, not that a statement failed."""
         return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
+    def is_conflict(self, exc: BaseException) -> bool:
+        """Whether ``exc`` says the transaction lost a race with another one (a deadlock, a
+        serialization failure): nothing is wrong, and running the transaction again is the cure."""
+        return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) in {"40001", "40P01"}
+
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
         """Insert ``rows`` old finished jobs, as an unpruned queue has (the bench's background)."""
         conn.execute(insert(self.jobs), [{"kind": "noop", "payload": {}, "state": "finished", "attempts": 1}] * rows)

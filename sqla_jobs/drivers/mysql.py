@@ -71,6 +71,11 @@ _DATETIME = mysql.DATETIME(fsp=6)
 _GONE = {2006, 2013, 2003, 2055, 1927, 4031, 1053}
 
 
+def _error_code(exc: BaseException) -> object:
+    orig = exc.orig if isinstance(exc, DBAPIError) else None
+    return orig.args[0] if orig is not None and orig.args else None
+
+
 class JSONText(mysql.JSON):
     """JSON stored as ``LONGTEXT``: the text exactly as sent, read back with ``json.loads``.
 
@@ -170,12 +175,10 @@ class MySQLDriver(Driver):
         return str(conn.dialect.identifier_preparer.format_table(self.jobs))
 
     def is_disconnect(self, exc: BaseException) -> bool:
-        if isinstance(exc, DBAPIError):
-            if exc.connection_invalidated:
-                return True
-            code = exc.orig.args[0] if exc.orig is not None and exc.orig.args else None
-            return code in _GONE
-        return False
+        return isinstance(exc, DBAPIError) and (exc.connection_invalidated or _error_code(exc) in _GONE)
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        return _error_code(exc) in {1213, 1205}  # deadlock found; lock wait timeout (InnoDB rolls back)
 
     # -- time ------------------------------------------------------------------------
 

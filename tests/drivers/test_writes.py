@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text, update
+from sqlalchemy.exc import DBAPIError
 
 from sqla_jobs.drivers.base import MAX_ERROR_LENGTH, Claimed, Fence
 from tests.drivers.conftest import Backend, in_write
@@ -117,3 +119,36 @@ def test_prune_deletes_only_old_finished_and_cancelled_jobs(backend: Backend) ->
     assert in_write(backend, lambda c: backend.driver.prune_batch(c, 3600, 10)) == 1
     assert backend.row(old.id) is None
     assert backend.row(recent.id) is not None and backend.row(running.id) is not None
+
+
+def test_a_deadlock_is_a_conflict_to_retry_not_a_disconnect(backend: Backend) -> None:
+    """Two transactions locking two rows in opposite orders: the database kills one, and the
+    driver calls that a conflict (what ``prune`` retries), not a lost connection."""
+    first, second = backend.insert(2)
+    t = backend.driver.jobs
+    with backend.db.engine.connect() as conn:
+        try:
+            conn.execute(text("SELECT no_such_column FROM no_such_table"))
+        except DBAPIError as exc:
+            assert not backend.driver.is_conflict(exc)
+    if backend.name == "sqlite":
+        return  # one writer at a time: SQLite cannot deadlock, so there is no conflict to classify
+    errors: list[BaseException] = []
+    both_hold_one = threading.Barrier(2, timeout=30)
+
+    def lock(a: int, b: int) -> None:
+        try:
+            with backend.write() as conn:
+                conn.execute(update(t).where(t.c.id == a).values(priority=1))
+                both_hold_one.wait()
+                conn.execute(update(t).where(t.c.id == b).values(priority=1))
+        except DBAPIError as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=lock, args=pair) for pair in ((first, second), (second, first))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(errors) == 1, errors
+    assert backend.driver.is_conflict(errors[0]) and not backend.driver.is_disconnect(errors[0])
