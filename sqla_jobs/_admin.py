@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from ._models import STATES, JobMixin, check_row
 from ._stats import QueueStats, collect
+from ._typed import as_payload
 from .drivers import Driver
 from .errors import ConfigError, JobStateError, NotFound
 
@@ -81,7 +82,7 @@ class Admin(Generic[J]):
         rows = []
         for item in jobs:
             row = check_row(self.job_model, item)  # the payload comes back encoded, once
-            self.check_job(SimpleNamespace(**{**row, "payload": item.get("payload", {})}))
+            self.check_job(SimpleNamespace(**{**row, "payload": as_payload(item.get("payload", {}))}))
             rows.append(row)
         session.flush()  # keep the order of jobs added earlier in this session
         conn = session.connection()

@@ -61,6 +61,7 @@ from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validat
 
 from . import _payload
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, PayloadType
+from ._typed import as_payload
 from .drivers import DatabaseNow, JSONText, attach_table_events
 from .errors import InvalidJob
 
@@ -139,7 +140,7 @@ def check_row(model: type[JobMixin], row: Mapping[str, Any]) -> dict[str, Any]:
     return {
         "kind": _text_field("kind", row["kind"], MAX_KIND_LENGTH),
         "queue": _text_field("queue", row.get("queue", "default"), MAX_QUEUE_LENGTH),
-        "payload": _payload.encode(row.get("payload", {}), model.max_payload_bytes),
+        "payload": _payload.encode(as_payload(row.get("payload", {})), model.max_payload_bytes),
         "priority": _int_field("priority", row.get("priority", 0)),
         "max_attempts": _int_field("max_attempts", row.get("max_attempts", 5), 1),
         "run_at": _utc("run_at", row.get("run_at")),
@@ -200,6 +201,8 @@ class _Common:
 
     @validates("payload")
     def _check_payload(self, key: str, value: Any) -> dict[str, Any]:
+        if type(value) is not dict:
+            value = as_payload(value)  # a typed payload's instance (sqla_jobs._typed) is stored as its dict
         _payload.check(value, self.max_payload_bytes)
         return value  # type: ignore[no-any-return]
 

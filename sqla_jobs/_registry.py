@@ -14,6 +14,7 @@ ignored: it never fails a job.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from collections.abc import Callable
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ._backoff import Backoff
+from ._typed import PayloadSchema, declared_payload_type
 from .errors import ConfigError, InvalidJob
 
 __all__ = ["EVENTS", "Handler", "JobEvent", "Registry"]
@@ -42,6 +44,8 @@ class Handler:
     backoff: Backoff | None
     transactional: bool
     is_async: bool
+    #: The payload's declared type (``sqla_jobs._typed``); ``fn`` then converts the payload before the call.
+    payload: PayloadSchema | None = None
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,7 @@ class Registry:
         timeout: float | None = None,
         backoff: Backoff | None = None,
         transactional: bool = False,
+        payload_type: Any = None,
     ) -> Callable[[F], F]:
         """Register ``fn(payload)`` as the handler of ``kind``.
 
@@ -83,6 +88,10 @@ class Registry:
         late result is discarded. ``backoff`` overrides the app's retry
         delays for this kind. ``transactional``: see ``current_job().session``.
         ``async def`` handlers are run on an event loop in the worker thread.
+        ``payload_type``: a dataclass, ``TypedDict`` or pydantic model the
+        payload must fit, checked at enqueue and handed to ``fn`` as that
+        type; by default the type ``fn``'s first parameter is annotated with,
+        if it is one of those (see ``sqla_jobs._typed``).
         """
         if not isinstance(kind, str) or not kind.strip():
             raise ConfigError(f"handler kind must be a non-empty string, got {kind!r}")
@@ -95,7 +104,10 @@ class Registry:
             is_async = inspect.iscoroutinefunction(fn)
             if transactional and is_async:
                 raise ConfigError(f"handler {kind!r}: transactional handlers must be plain functions")
-            self.handlers[kind] = Handler(kind, fn, timeout, backoff, transactional, is_async)
+            declared = payload_type if payload_type is not None else declared_payload_type(fn)
+            schema = PayloadSchema(kind, declared) if declared is not None else None
+            call = _typed_call(fn, schema, is_async) if schema is not None else fn
+            self.handlers[kind] = Handler(kind, call, timeout, backoff, transactional, is_async, schema)
             return fn
 
         return register
@@ -127,8 +139,12 @@ class Registry:
         ``super().check_job(job)``; it must check, not change, the job.
         """
         kind = job.kind
-        if self.check_kinds and self.handlers and kind not in self.handlers:
-            raise InvalidJob(f"Job.kind: {self.unknown_kind_message(kind)}, or pass check_kinds=False")
+        handler = self.handlers.get(kind)
+        if handler is None:
+            if self.check_kinds and self.handlers:
+                raise InvalidJob(f"Job.kind: {self.unknown_kind_message(kind)}, or pass check_kinds=False")
+        elif handler.payload is not None:
+            handler.payload.load({} if job.payload is None else job.payload)
 
     # -- hooks -------------------------------------------------------------------
 
@@ -159,3 +175,20 @@ class Registry:
                 hook(event)
             except Exception:
                 log.exception("hook %r for %s raised; ignored", hook, event.name)
+
+
+def _typed_call(fn: Callable[..., Any], schema: PayloadSchema, is_async: bool) -> Callable[..., Any]:
+    """``fn`` called with the payload turned into its declared type (what the worker runs)."""
+    if is_async:
+
+        @functools.wraps(fn)
+        async def call_async(payload: Any) -> Any:
+            return await fn(schema.load(payload))
+
+        return call_async
+
+    @functools.wraps(fn)
+    def call(payload: Any) -> Any:
+        return fn(schema.load(payload))
+
+    return call
