@@ -6,6 +6,7 @@
     s.ready, s.scheduled, s.running          # queue length
     s.oldest_pending_age                     # seconds the oldest due job has waited (None: none due)
     s.dead_by_kind.get("send_email")         # dead letters by kind (None: that kind has none)
+    s.retrying.get("send_email", 0)          # failed at least once, waiting for the next attempt
     s.run_time_by_kind.get("send_email")     # run time by kind over the window (None: none finished)
     s.throughput                             # jobs finished per minute over the window
 
@@ -18,7 +19,10 @@
    alarm: a ready job that has waited many minutes means workers are down,
    stuck or too few.
 3. **Dead letters by kind**: jobs that used up their attempts, in total and
-   within the window.
+   within the window. Beside them, ``retrying``: pending jobs of each kind
+   that have failed at least once and wait for their next attempt, the
+   failures still in flight (a kind whose count keeps growing is failing
+   now and will feed the dead letters next).
 4. **Run time by kind** over the window (default one hour): count, mean,
    p50, p95 and max of ``finished_at - locked_at`` for jobs that finished in
    it. A p95 that grows comes before timeouts and failures. This is the time
@@ -99,6 +103,12 @@ class QueueStats:
     queues: list[QueueLength] = field(default_factory=list)
     dead: list[DeadLetters] = field(default_factory=list)
     run_times: list[RunTime] = field(default_factory=list)
+    #: Pending jobs that have failed at least once, by kind (kinds with none are absent).
+    retrying: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def retrying_total(self) -> int:
+        return sum(self.retrying.values())
 
     @property
     def dead_total(self) -> int:
@@ -116,6 +126,7 @@ class QueueStats:
         """Plain JSON-ready data (what ``sqla-jobs stats --json`` prints)."""
         data = asdict(self)
         data["dead_total"] = self.dead_total
+        data["retrying_total"] = self.retrying_total
         return data
 
 
@@ -146,6 +157,7 @@ def collect(sql: Driver, conn: Connection, window: float = DEFAULT_WINDOW, *, ru
         queues=queues,
         dead=dead,
         run_times=times,
+        retrying={r.kind: r.retrying for r in sql.retrying_by_kind(conn)},
     )
 
 
@@ -164,6 +176,7 @@ def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
         ["scheduled", str(s.scheduled)],
         ["running", str(s.running)],
         ["oldest pending age", format_duration(s.oldest_pending_age)],
+        ["waiting for a retry", str(s.retrying_total)],
         ["dead letters", f"{s.dead_total} ({sum(d.recent for d in s.dead)} in the last {window})"],
         [f"finished (last {window})", f"{s.finished} ({_rate(s.throughput)}/min)"],
     ]
@@ -181,6 +194,12 @@ def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
             ["kind", "count", "per min", "mean", "p50", "p95", "max"],
             [[r.kind, str(r.count), _rate(r.per_minute), format_duration(r.mean), format_duration(r.p50),
               format_duration(r.p95), format_duration(r.max)] for r in s.run_times],
+        ))
+    if s.retrying:
+        tables.append((
+            "Waiting for a retry by kind (failed at least once)",
+            ["kind", "jobs"],
+            [[kind, str(n)] for kind, n in sorted(s.retrying.items())],
         ))
     if s.dead:
         tables.append((

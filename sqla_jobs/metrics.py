@@ -25,6 +25,7 @@ What is exported (``kind`` and ``queue`` are labels):
 ``sqla_jobs_queue_length``                  gauge      jobs by queue and state (ready/scheduled/running)
 ``sqla_jobs_oldest_pending_age_seconds``    gauge      wait of the oldest due job, by queue (0: none)
 ``sqla_jobs_dead_jobs``                     gauge      jobs in the dead-letter table, by kind
+``sqla_jobs_retrying_jobs``                 gauge      pending jobs that failed before, by kind
 ==========================================  =========  =============================================
 
 The counters and the histogram count what *this process* did (fed by the
@@ -161,6 +162,7 @@ class _TableCollector(Collector):
         # rather than vanishing, so graphs drop to zero and alerts see the recovery.
         self.seen_queues: set[str] = {"default"}
         self.seen_dead_kinds: set[str] = set()
+        self.seen_retrying_kinds: set[str] = set()
 
     def describe(self) -> list[Any]:
         return []  # the families depend on the data; don't query the database at registration
@@ -188,6 +190,13 @@ class _TableCollector(Collector):
         self.seen_dead_kinds.update(totals)
         for kind in sorted(self.seen_dead_kinds):
             dead.add_metric([kind], totals.get(kind, 0))
+        retrying = GaugeMetricFamily(f"{self.prefix}retrying_jobs",
+                                     "Pending jobs that failed at least once (waiting for a retry), by kind.",
+                                     labels=["kind"])
+        self.seen_retrying_kinds.update(stats.retrying)
+        for kind in sorted(self.seen_retrying_kinds):
+            retrying.add_metric([kind], stats.retrying.get(kind, 0))
         yield length
         yield age
         yield dead
+        yield retrying

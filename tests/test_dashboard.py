@@ -144,14 +144,18 @@ def test_unknown_job_is_a_404_with_an_explanation(db: Database) -> None:
 
 def test_samples_feed_the_charts_and_survive_a_restart(db: Database) -> None:
     kill(db)
+    # A job that failed once and waits for its retry in an hour.
+    enqueue(db.engine, "flaky", attempts=1, run_at=datetime.now(timezone.utc) + timedelta(hours=1))
     enqueue(db.engine, "record", queue="mail")
     first = client(db, sample_interval=60)
-    first.get("/")  # the page writes the first sample
+    page = first.get("/").text  # the page writes the first sample
+    assert figure(page, "retrying") == "1" == str(app.queue.stats(db.engine).retrying_total)
     restarted = TestClient(dashboard(db.engine, app.queue))  # a new app reads the same history
     data = restarted.get("/api/series", params={"span": "day"}).json()
     assert len(data["times"]) == 1
-    assert data["series"]["ready"] == {"mail": [1.0]}
+    assert data["series"]["ready"] == {"mail": [1.0], "default": [0.0]}  # the retry is scheduled, not ready
     assert data["series"]["dead"] == {"fail": [1.0]}
+    assert data["series"]["retrying"] == {"flaky": [1.0]}
 
 
 def test_samples_are_pruned_and_written_at_most_once_per_interval(db: Database) -> None:

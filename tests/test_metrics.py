@@ -103,7 +103,9 @@ def test_python_api_gauges_follow_the_table(db: Database) -> None:
         now = db_now(db.engine)
         enqueue(db, "noop", run_at=now - timedelta(minutes=10))
         enqueue(db, "noop", queue="mail", run_at=now - timedelta(seconds=30))
+        retry = enqueue(db, "flaky", attempts=1, run_at=now + timedelta(hours=1))  # failed once, waits
         found = samples(generate_latest(registry).decode())
+        assert value(found, "sqla_jobs_retrying_jobs", kind="flaky") == 1
         age = value(found, "sqla_jobs_oldest_pending_age_seconds", queue="default")
         assert age is not None and 600 <= age < 660
         assert value(found, "sqla_jobs_queue_length", queue="mail", state="ready") == 1
@@ -114,6 +116,10 @@ def test_python_api_gauges_follow_the_table(db: Database) -> None:
         assert value(found, "sqla_jobs_jobs_finished_total", kind="noop") == 2
         assert value(found, "sqla_jobs_queue_length", queue="default", state="ready") == 0
         assert value(found, "sqla_jobs_oldest_pending_age_seconds", queue="default") == 0
+        with Session(db.engine) as session, session.begin():
+            assert queue.cancel(session, retry) == "cancelled"
+        found = samples(generate_latest(registry).decode())
+        assert value(found, "sqla_jobs_retrying_jobs", kind="flaky") == 0  # a kind that recovers reports 0
     finally:
         metrics.detach()
     found = samples(generate_latest(registry).decode())

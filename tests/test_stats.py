@@ -59,6 +59,7 @@ def build_known_table(engine: Engine) -> datetime:
         {"run_at": now - 30 * s, "queue": "mail"},
         # scheduled: a retry in backoff and a delayed job
         {"run_at": now + 3600 * s, "attempts": 1}, {"run_at": now + 86400 * s},
+        {"run_at": now + 60 * s, "kind": "a", "attempts": 2},  # kind a failed twice, retries in a minute
         # running: one healthy lease, one expired (its worker is gone)
         {"state": "running", "run_at": now - 20 * s, "locked_at": now - 10 * s, "attempts": 1,
          "lease_expires_at": now + 50 * s, "claim_token": "a"},
@@ -83,18 +84,20 @@ def test_stats_on_a_known_table(db: Database) -> None:
     build_known_table(db.engine)
     s = queue.stats(db.engine)
 
-    assert (s.ready, s.scheduled, s.running) == (4, 2, 2)
+    assert (s.ready, s.scheduled, s.running) == (4, 3, 2)
     assert s.oldest_pending_age is not None and 600 <= s.oldest_pending_age < 630
     by_queue = {q.queue: q for q in s.queues}
     assert set(by_queue) == {"default", "mail"}
     d, m = by_queue["default"], by_queue["mail"]
-    assert (d.ready, d.scheduled, d.running, d.expired_leases) == (3, 2, 2, 1)
+    assert (d.ready, d.scheduled, d.running, d.expired_leases) == (3, 3, 2, 1)
     assert d.oldest_pending_age is not None and 600 <= d.oldest_pending_age < 630
     assert (m.ready, m.scheduled, m.running) == (1, 0, 0)
     assert m.oldest_pending_age is not None and 30 <= m.oldest_pending_age < 60
 
     assert {k: (v.total, v.recent) for k, v in s.dead_by_kind.items()} == {"a": (2, 1), "b": (1, 1)}
     assert s.dead_total == 3
+    # Pending after a failure (running jobs with attempts are not waiting for a retry).
+    assert s.retrying == {"noop": 1, "a": 1} and s.retrying_total == 2
 
     a, b = s.run_time_by_kind["a"], s.run_time_by_kind["b"]
     assert set(s.run_time_by_kind) == {"a", "b"}
@@ -121,7 +124,7 @@ def test_stats_on_a_known_table(db: Database) -> None:
 
 def test_stats_of_an_empty_table(db: Database) -> None:
     s = queue.stats(db.engine)
-    assert (s.ready, s.scheduled, s.running, s.finished, s.dead_total) == (0, 0, 0, 0, 0)
+    assert (s.ready, s.scheduled, s.running, s.finished, s.dead_total, s.retrying_total) == (0, 0, 0, 0, 0, 0)
     assert s.oldest_pending_age is None and s.queues == [] and s.run_times == []
     assert s.to_dict()["oldest_pending_age"] is None
 

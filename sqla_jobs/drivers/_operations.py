@@ -192,6 +192,17 @@ class Operations:
         )
         return list(conn.execute(stmt))
 
+    def retrying_by_kind(self, conn: Connection) -> list[Any]:
+        """Per kind: pending jobs that have failed at least once (waiting for their next attempt)."""
+        t = self.jobs
+        stmt = (
+            select(t.c.kind, func.count().label("retrying"))
+            .where(t.c.state == "pending", t.c.attempts > 0)  # the pending index's range, then a filter
+            .group_by(t.c.kind)
+            .order_by(t.c.kind)
+        )
+        return list(conn.execute(stmt))
+
     # -- operations: inspect, cancel, retry, purge, prune ---------------------------
 
     def get_job(self, conn: Connection, job_id: int) -> Any:

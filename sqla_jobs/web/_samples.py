@@ -4,8 +4,9 @@ Design. One sample is a handful of rows ``(taken_at, series, label, value)``
 written at most once per ``interval`` (default 60 s): per queue name its
 ``ready``, ``scheduled``, ``running`` and ``oldest`` (oldest pending age, s);
 ``finished`` (jobs finished per minute over the last interval); per kind its
-``dead`` (dead letters in total), ``p50`` and ``p95`` (run time, s, over the
-last interval). Each write first deletes the samples older than ``keep``
+``dead`` (dead letters in total), ``retrying`` (failed at least once, waiting
+for the next attempt), ``p50`` and ``p95`` (run time, s, over the last
+interval). Each write first deletes the samples older than ``keep``
 (default 2 days), so the table stays at about ``keep / interval`` samples:
 2,880 samples of ~10 rows for one queue and a few kinds.
 
@@ -119,6 +120,7 @@ def record_sample(
         ]
     rows.append({"series": "finished", "label": "", "value": stats.throughput})
     rows += [{"series": "dead", "label": d.kind, "value": d.total} for d in stats.dead]
+    rows += [{"series": "retrying", "label": kind, "value": n} for kind, n in stats.retrying.items()]
     for r in stats.run_times:
         rows += [{"series": "p50", "label": r.kind, "value": r.p50}, {"series": "p95", "label": r.kind, "value": r.p95}]
     driver = queue.driver(engine)
