@@ -1,0 +1,140 @@
+"""Many worker hosts on one PostgreSQL, each in its own network namespace (tests/netns.py).
+
+Every job runs once across hosts, and a host whose network link is cut in the
+middle of a run loses its jobs for one lease only: the other hosts take them
+over and go on. ``docs/bench/multihost.py`` measures drain by host count with
+the same harness (docs/howto/scaling.md).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from tests import app, netns
+from tests.conftest import IN_CI, ROOT, Database, make_database
+
+pytestmark = pytest.mark.slow
+
+LEASE, HEARTBEAT = 3.0, 0.5
+
+
+@pytest.fixture
+def pg(tmp_path: Path) -> Iterator[Database]:
+    """A PostgreSQL schema with the test app's tables (the production backend, reached over TCP)."""
+    missing = netns.problem()
+    if missing:
+        if IN_CI:
+            pytest.fail(f"the multi-host tests must run in CI: {missing}")
+        pytest.skip(missing)
+    for database in make_database("postgresql", tmp_path):
+        app.queue.create_tables(database.engine)
+        app.Base.metadata.create_all(database.engine)
+        yield database
+
+
+def start_host(host: netns.Host, db: Database, *options: str) -> subprocess.Popen[str]:
+    url = host.url(db.url)
+    return host.popen(
+        [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "WARNING", "worker", "--app", "tests.app:queue",
+         "--url", url, "--name", f"host{host.index}", *options],
+        env=db.env(SQLA_JOBS_URL=url), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )
+
+
+def stop(hosts: list[netns.Host]) -> None:
+    for host in hosts:
+        for proc in host.procs:
+            proc.send_signal(signal.SIGTERM)  # `ip netns exec` passes it on to the worker it became
+    for host in hosts:
+        for proc in host.procs:
+            _, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+            assert "Traceback" not in err, err
+
+
+def wait_until_finished(db: Database, total: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        with Session(db.engine) as session:
+            done = session.scalar(select(func.count()).where(app.Job.state == "finished"))
+        if done == total:
+            return
+        assert time.monotonic() < deadline, f"{done} of {total} jobs finished after {timeout:g}s"
+        time.sleep(0.1)
+
+
+def test_four_hosts_of_two_processes_run_every_job_exactly_once(pg: Database) -> None:
+    jobs = 2000
+    with netns.hosts(4) as hosts:
+        for host in hosts:
+            start_host(host, pg, "--processes", "2", "--concurrency", "4")
+        with Session(pg.engine) as session, session.begin():
+            session.add_all([app.Job(kind="once", payload={"sleep": 0.002}) for _ in range(jobs)])
+        wait_until_finished(pg, jobs, timeout=180)
+        stop(hosts)
+    with Session(pg.engine) as session:
+        ids = set(session.scalars(select(app.Job.id)))
+        done = set(session.scalars(select(app.Once.job_id)))
+        attempts = Counter(session.scalars(select(app.Job.attempts)))
+        by_host = Counter(name.split(":")[0] for name in session.scalars(select(app.Job.locked_by)))
+    assert done == ids and len(ids) == jobs  # the transactional handler's row: one commit per job
+    assert attempts == {1: jobs}  # no run rolled back and retried
+    assert len(by_host) >= 3, f"the jobs were not shared between hosts: {by_host}"
+
+
+def test_a_host_cut_off_mid_run_loses_its_jobs_for_one_lease_only(pg: Database) -> None:
+    jobs = 240  # 0.3 s each on 4 hosts x 4 threads: about 5 s of work
+    timing = ("--concurrency", "4", "--lease", str(LEASE), "--heartbeat", str(HEARTBEAT))
+    with netns.hosts(4) as hosts:
+        for host in hosts:
+            start_host(host, pg, *timing)
+        with Session(pg.engine) as session, session.begin():
+            session.add_all([app.Job(kind="once", payload={"sleep": 0.3}) for _ in range(jobs)])
+
+        def held_by_host0() -> set[int]:
+            with Session(pg.engine) as session:
+                return set(session.scalars(select(app.Job.id).where(
+                    app.Job.state == "running", app.Job.locked_by.like("host0%"))))
+
+        deadline = time.monotonic() + 60
+        while len(held_by_host0()) < 4:  # host 0 is busy: all four of its threads hold a job
+            assert time.monotonic() < deadline, "host 0 never got to work"
+            time.sleep(0.02)
+        hosts[0].cut()
+        cut_at = time.monotonic()
+        stranded = held_by_host0()
+        with Session(pg.engine) as session:
+            finished_at_cut = session.scalar(select(func.count()).where(app.Job.state == "finished"))
+
+        # The others go on at once, and take the stranded jobs over within a lease (plus a reaper pass).
+        while True:
+            with Session(pg.engine) as session:
+                rows = session.execute(select(app.Job.id, app.Job.locked_by).where(app.Job.id.in_(stranded))).all()
+                finished = session.scalar(select(func.count()).where(app.Job.state == "finished"))
+            if all(not by.startswith("host0") for _, by in rows):
+                break
+            assert time.monotonic() - cut_at < LEASE + HEARTBEAT + 5, "the stranded jobs were not taken over"
+            time.sleep(0.05)
+        recovered_after = time.monotonic() - cut_at
+        assert finished > finished_at_cut, "the other hosts stopped while host 0 was cut off"
+
+        wait_until_finished(pg, jobs, timeout=120)
+        hosts[0].kill()  # it cannot reach the database to shut down cleanly: as a dead host would be
+        stop(hosts[1:])
+    with Session(pg.engine) as session:
+        ids = set(session.scalars(select(app.Job.id)))
+        done = set(session.scalars(select(app.Once.job_id)))
+        retried = {job.id: job for job in session.scalars(select(app.Job).where(app.Job.id.in_(stranded)))}
+    assert done == ids  # every job committed once, the stranded ones by another host
+    assert all(j.attempts == 2 and not j.locked_by.startswith("host0") for j in retried.values())
+    assert recovered_after < LEASE + HEARTBEAT + 5
