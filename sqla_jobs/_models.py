@@ -103,6 +103,11 @@ def _tz() -> Any:
     return DateTime(timezone=True).with_variant(MYSQL_DATETIME(fsp=6), "mysql", "mariadb")
 
 
+def timestamp_type() -> Any:
+    """The column type of every sqla-jobs timestamp (time zone aware; microseconds on MariaDB/MySQL)."""
+    return _tz()
+
+
 def _utc(name: str, value: datetime | None) -> datetime | None:
     """Naive datetimes are taken as UTC; aware ones are converted to UTC."""
     if value is None:
