@@ -86,7 +86,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 
 from ._alembic_compare import _leave_our_indexes_to_us, _server_defaults_of_job_tables, _with_our_indexes, job_tables
 from ._payload import PayloadType
-from .drivers import JSONText, driver_class_of, normalise_url, registered
+from .drivers import GeneratedColumn, JSONText, driver_class_of, normalise_url, registered
 from .drivers.base import index_dialects
 from .errors import ConfigError
 
@@ -133,6 +133,12 @@ def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | 
             shown = render_item("type", inner, autogen_context)
             rendered += f".with_variant({shown if shown is not False else prefix + repr(inner)}, {dialect!r})"
         return rendered
+    if type_ == "server_default" and isinstance(obj, GeneratedColumn):
+        # Stored on PostgreSQL (whose virtual columns cannot be indexed), virtual elsewhere (SQLite can add
+        # only those to a table): decided where the revision runs, so one revision serves every backend.
+        prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""
+        return (f"{prefix}Computed({str(obj.sqltext)!r}, "
+                "persisted=op.get_bind().dialect.name == 'postgresql' or None)")
     if type_ == "type" and isinstance(obj, JSONText):
         # MariaDB/MySQL keep the job tables' JSON as LONGTEXT (see drivers/mysql.py); the revision needs only that.
         autogen_context.imports.add("from sqlalchemy.dialects import mysql")

@@ -45,6 +45,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
+from ._unique import Uniqueness
 
 __all__ = [
     "MAX_ERROR_LENGTH",
@@ -113,7 +114,7 @@ class Listener(Protocol):
     def stop(self) -> None: ...
 
 
-class Driver(Setup, Operations):
+class Driver(Setup, Operations, Uniqueness):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
@@ -387,7 +388,8 @@ class Driver(Setup, Operations):
         if older is not None:
             note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
             errors.insert(0, {"attempt": None, "at": utcnow(), "error": truncate(note)})
-        columns = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at")
+        columns = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at",
+                   "unique_key")
         conn.execute(
             insert(d).values(
                 **{c: getattr(row, c) for c in columns}, last_error=message, errors=errors, failed_at=self.now()

@@ -248,6 +248,10 @@ class MySQLDriver(Driver):
     def skip_locked(self, stmt: Select[Any]) -> Select[Any]:
         return stmt.with_for_update(skip_locked=True)
 
+    @property
+    def holder_lock(self) -> dict[str, Any] | None:
+        return {"read": True}  # a locking read sees the latest commit, whatever the snapshot (REPEATABLE READ)
+
     def _lock_fenced(self, conn: Connection, fences: Sequence[Fence]) -> list[Any]:
         """Lock the rows still held under ``fences`` (there is no UPDATE … RETURNING to tell us)."""
         t = self.jobs
@@ -345,7 +349,8 @@ class MySQLDriver(Driver):
             conn.execute(delete(d).where(d.c.id == row.id))
             note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
             errors.insert(0, {"attempt": None, "at": utcnow(), "error": truncate(note)})
-        columns = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at")
+        columns = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at",
+                   "unique_key")
         conn.execute(
             insert(d).values(
                 **{c: getattr(row, c) for c in columns}, last_error=message, errors=errors, failed_at=self.now()
