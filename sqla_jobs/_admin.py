@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -20,6 +21,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from . import _periodic
 from ._models import STATES, JobMixin, check_row
 from ._stats import QueueStats, collect
 from ._unique import PERIOD_UNIQUE_STATES, Enqueued, period_key
@@ -147,6 +149,14 @@ class Admin(Generic[J]):
             driver.insert_many(conn, plain)
         keyed = sum(driver.insert_unique(conn, row) is not None for row in rows if row["unique_key"] is not None)
         return len(plain) + keyed
+
+    def enqueue_periodic(self, engine: Engine, *, now: datetime | None = None) -> list[J]:
+        """Enqueue every schedule's due slot now (what each worker does on its own); returns the jobs inserted.
+
+        ``now`` (aware) stands in for the clock, e.g. in tests. One short
+        transaction per schedule, committed here.
+        """
+        return _periodic.enqueue_due(self, engine, now)  # type: ignore[arg-type]
 
     # -- reads -------------------------------------------------------------------
 

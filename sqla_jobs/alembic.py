@@ -84,8 +84,16 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSON as PG_JSON
 from sqlalchemy.dialects.postgresql import JSONB
 
-from ._alembic_compare import _leave_our_indexes_to_us, _server_defaults_of_job_tables, _with_our_indexes, job_tables
+from ._alembic_compare import (
+    _leave_our_indexes_to_us,
+    _server_defaults_of_job_tables,
+    _with_our_indexes,
+    job_tables,
+    order_generated_columns,
+    wrap_revision_directives,
+)
 from ._payload import PayloadType
+from ._unique import StateSet
 from .drivers import GeneratedColumn, JSONText, driver_class_of, normalise_url, registered
 from .drivers.base import index_dialects
 from .errors import ConfigError
@@ -133,6 +141,9 @@ def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | 
             shown = render_item("type", inner, autogen_context)
             rendered += f".with_variant({shown if shown is not False else prefix + repr(inner)}, {dialect!r})"
         return rendered
+    if type_ == "type" and isinstance(obj, StateSet):
+        # The unique states' bitmask (sqla_jobs._unique): a plain INTEGER to the database.
+        return f"{autogen_context.opts.get('sqlalchemy_module_prefix') or ''}Integer()"
     if type_ == "server_default" and isinstance(obj, GeneratedColumn):
         # Stored on PostgreSQL (whose virtual columns cannot be indexed), virtual elsewhere (SQLite can add
         # only those to a table): decided where the revision runs, so one revision serves every backend.
@@ -187,6 +198,7 @@ def configure_options(
     """
     result: dict[str, Any] = {"compare_type": True, **options, "render_item": wrap_render_item(render_item)}
     result["include_object"] = _with_our_indexes(include_object)
+    result["process_revision_directives"] = wrap_revision_directives(options.get("process_revision_directives"))
     result["compare_server_default"] = _server_defaults_of_job_tables(options.get("compare_server_default", False))
     schemas = {t.schema for t in metadata.tables.values()} if metadata is not None else set()
     named = {s for s in schemas if s is not None}
@@ -226,7 +238,9 @@ def _job_metadata(queue: JobQueue[Any, Any]) -> MetaData:
         copy = original.to_metadata(metadata)
         # to_metadata drops Index.ddl_if: give each per-database index its dialects back.
         def key(ix: Any) -> tuple[str, ...]:
-            return (str(ix.name), *(str(getattr(e, "name", None) or e) for e in ix.expressions))
+            # The WHERE tells apart two variants of one index on the same columns (partial or not).
+            where = ix.dialect_kwargs.get("postgresql_where")
+            return (str(ix.name), str(where), *(str(getattr(e, "name", None) or e) for e in ix.expressions))
 
         rules = {key(ix): index_dialects(ix) for ix in original.indexes}
         for index in copy.indexes:
@@ -293,6 +307,8 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
     )
     script = produce_migrations(context, metadata)
     assert script.upgrade_ops is not None and script.downgrade_ops is not None
+    order_generated_columns(script.upgrade_ops)
+    order_generated_columns(script.downgrade_ops)
     if not script.upgrade_ops.is_empty():
         script.upgrade_ops.ops[:0] = _create_schemas(metadata, conn)
     return script.upgrade_ops, script.downgrade_ops

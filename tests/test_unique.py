@@ -28,7 +28,8 @@ def test_duplicate_returns_the_holder_and_the_transaction_commits(db: Database) 
     assert second.id == first.id and second.job.payload == {"order": 42}
     assert count(db.engine, app.Job) == 1 and count(db.engine, app.Once) == 2
 
-    with Session(db.engine, expire_on_commit=False) as session, session.begin():  # another transaction: the pending job holds it
+    # Another transaction: the pending job holds the key.
+    with Session(db.engine, expire_on_commit=False) as session, session.begin():
         third = app.queue.enqueue_unique(session, "noop", {}, unique_key="order-42")
         assert not third.inserted and third.id == first.id
     assert app.queue.enqueue is not None
@@ -120,7 +121,8 @@ def test_key_helper_and_bad_input() -> None:
 
 
 def test_states_without_a_key_are_refused(db: Database) -> None:
-    with pytest.raises(InvalidJob, match="without a unique_key"), Session(db.engine, expire_on_commit=False) as session, session.begin():
+    refused = pytest.raises(InvalidJob, match="without a unique_key")
+    with refused, Session(db.engine) as session, session.begin():
         session.add(app.Job(kind="noop", unique_states=["pending", "running", "finished"]))
     with pytest.raises(InvalidJob, match="without a unique_key"), Session(db.engine) as session:
         app.queue.enqueue_many(session, [{"kind": "noop", "unique_states": ["pending", "running"]}])
@@ -156,7 +158,7 @@ def test_concurrent_callers_in_two_processes_get_one_row(db: Database) -> None:
         procs = [subprocess.Popen([sys.executable, "-c", RACE, str(p)], env=db.env(), cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for p in (1, 2)]
         outs = [p.communicate(timeout=120) for p in procs]
-        for proc, (out, err) in zip(procs, outs):
+        for proc, (_, err) in zip(procs, outs, strict=True):
             assert proc.returncode == 0, err
         inserted = sum(int(out.split()[0]) for out, _ in outs)
         callers = sum(int(out.split()[1]) for out, _ in outs)

@@ -50,8 +50,8 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import ConfigError
 from . import pg_keepalive
-from ._unique import on_conflict_insert
 from ._setup import GeneratedColumn
+from ._unique import on_conflict_insert
 from .base import Claimed, Driver, Fence, IndexDefinition
 from .pg_listen import PgListener
 
