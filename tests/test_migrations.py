@@ -639,8 +639,9 @@ def test_upgrade_in_place_from_0_1(empty_db: Database, tmp_path: Path) -> None:
     # (Autogenerate cannot see the NOTIFY trigger, so render adds it on PostgreSQL.)
     summary = sorted(line.strip() for line in out.splitlines() if line.startswith("  ") and "trigger" not in line)
     assert summary == [
-        "add column app_dead_tasks.unique_key", "add column app_tasks.unique_held", "add column app_tasks.unique_key",
-        "add column app_tasks.unique_states", "create index ix_app_tasks_unique_key", "create index ux_app_tasks_unique",
+        "add column app_dead_tasks.unique_key", "add column app_tasks.unique_held",
+        "add column app_tasks.unique_key", "add column app_tasks.unique_states",
+        "create index ix_app_tasks_unique_key", "create index ux_app_tasks_unique",
     ], out
     project.alembic("upgrade", "head")
     project.check_clean()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import signal
 import subprocess
 import sys
@@ -107,8 +108,13 @@ def test_two_schedules_of_one_kind_need_names() -> None:
 def _workers(db: Database, app_name: str, n: int) -> list[subprocess.Popen[str]]:
     command = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", f"tests.periodic_app:{app_name}",
                "--poll-interval", "0.2", "--concurrency", "2"]
-    return [subprocess.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                             text=True) for _ in range(n)]
+    workers = [subprocess.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True) for _ in range(n)]
+    for worker in workers:  # up and running (signals handled) before the test's clock starts
+        assert worker.stderr is not None
+        while "started" not in (line := worker.stderr.readline()):
+            assert line, f"worker exited before it started: {worker.wait()}"
+    return workers
 
 
 def _stop(workers: list[subprocess.Popen[str]]) -> None:
@@ -139,7 +145,7 @@ def test_four_worker_processes_with_restarts_enqueue_each_slot_once(db: Database
     per_slot = Counter(keys)
     assert set(per_slot.values()) == {1}, per_slot
     slots = sorted(datetime.strptime(k.split("@")[1], "%Y-%m-%dT%H:%M:%SZ") for k in keys)
-    gaps = {(b - a).total_seconds() for a, b in zip(slots, slots[1:])}
+    gaps = {(b - a).total_seconds() for a, b in itertools.pairwise(slots)}
     assert gaps == {2.0}, slots  # no slot missed while workers were up, even across the restart
     assert len(slots) >= 5
     with db.engine.connect() as conn:
