@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -167,3 +168,17 @@ def test_concurrent_callers_in_two_processes_get_one_row(db: Database) -> None:
         with db.engine.begin() as conn:
             conn.execute(text("DELETE FROM jobs"))
             conn.execute(text("DELETE FROM once"))
+
+
+def test_jobs_list_filters_by_unique_key(db: Database) -> None:
+    from tests.conftest import run_cli
+
+    with Session(db.engine) as session, session.begin():
+        app.queue.enqueue_unique(session, "noop", {}, unique_key="order-42")
+        app.queue.enqueue_unique(session, "noop", {}, unique_key="order-42", unique_period=60)
+        app.queue.enqueue_unique(session, "noop", {}, unique_key="order-420")
+        app.queue.enqueue(session, "noop", {})
+    result = run_cli("jobs", "list", "--app", "tests.app:queue", "--unique-key", "order-42", "--json", env=db.env())
+    assert result.returncode == 0, result.stderr
+    keys = sorted(job["unique_key"] for job in json.loads(result.stdout))
+    assert len(keys) == 2 and keys[0] == "order-42" and keys[1].startswith("order-42@")
