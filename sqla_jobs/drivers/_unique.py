@@ -14,7 +14,7 @@ the index refuse a duplicate without aborting the caller's transaction:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import Connection, Table, Text, insert, literal, select
 from sqlalchemy.exc import IntegrityError
@@ -62,10 +62,8 @@ class Uniqueness:
         savepoint.commit()
         return int(result.inserted_primary_key[0])  # type: ignore[index]
 
-    @property
-    def holder_lock(self) -> dict[str, Any] | None:
-        """``with_for_update`` options for reading the holder of a key (None: a plain read sees it)."""
-        return None
+    #: ``with_for_update`` options for reading the holder of a key (None: a plain read sees it).
+    holder_lock: ClassVar[dict[str, Any] | None] = None
 
     def unique_holder(self, conn: Connection, key: str) -> int | None:
         """The id of the job holding ``key`` now (through the unique index), or None."""

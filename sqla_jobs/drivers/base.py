@@ -48,6 +48,7 @@ from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
 from ._unique import Uniqueness
 
 __all__ = [
+    "DEAD_COLUMNS",
     "MAX_ERROR_LENGTH",
     "Claimed",
     "DatabaseNow",
@@ -61,6 +62,9 @@ __all__ = [
 ]
 
 Fence = tuple[int, str]  # (job id, claim token)
+#: What a dead-lettered job carries over from its row (its unique key for the record only: it holds nothing there).
+DEAD_COLUMNS = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at",
+                "unique_key")
 
 
 @dataclass(slots=True)  # not frozen: frozen dataclasses are several times slower to build
@@ -388,11 +392,9 @@ class Driver(Setup, Operations, Uniqueness):
         if older is not None:
             note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
             errors.insert(0, {"attempt": None, "at": utcnow(), "error": truncate(note)})
-        columns = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at",
-                   "unique_key")
         conn.execute(
             insert(d).values(
-                **{c: getattr(row, c) for c in columns}, last_error=message, errors=errors, failed_at=self.now()
+                **{c: getattr(row, c) for c in DEAD_COLUMNS}, last_error=message, errors=errors, failed_at=self.now()
             )
         )
         return True

@@ -32,7 +32,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     Connection,
@@ -60,7 +60,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._operations import truncate, utcnow
-from .base import Claimed, DatabaseNow, Driver, Fence, IndexDefinition, run_times_in_python
+from .base import DEAD_COLUMNS, Claimed, DatabaseNow, Driver, Fence, IndexDefinition, run_times_in_python
 
 __all__ = ["MySQLDriver"]
 
@@ -248,9 +248,7 @@ class MySQLDriver(Driver):
     def skip_locked(self, stmt: Select[Any]) -> Select[Any]:
         return stmt.with_for_update(skip_locked=True)
 
-    @property
-    def holder_lock(self) -> dict[str, Any] | None:
-        return {"read": True}  # a locking read sees the latest commit, whatever the snapshot (REPEATABLE READ)
+    holder_lock: ClassVar[dict[str, Any] | None] = {"read": True}  # a locking read sees the latest commit
 
     def _lock_fenced(self, conn: Connection, fences: Sequence[Fence]) -> list[Any]:
         """Lock the rows still held under ``fences`` (there is no UPDATE … RETURNING to tell us)."""
@@ -349,11 +347,9 @@ class MySQLDriver(Driver):
             conn.execute(delete(d).where(d.c.id == row.id))
             note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
             errors.insert(0, {"attempt": None, "at": utcnow(), "error": truncate(note)})
-        columns = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at",
-                   "unique_key")
         conn.execute(
             insert(d).values(
-                **{c: getattr(row, c) for c in columns}, last_error=message, errors=errors, failed_at=self.now()
+                **{c: getattr(row, c) for c in DEAD_COLUMNS}, last_error=message, errors=errors, failed_at=self.now()
             )
         )
         return True
