@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 from . import _periodic
 from ._models import STATES, JobMixin, check_row
 from ._stats import QueueStats, collect
-from ._unique import PERIOD_UNIQUE_STATES, Enqueued, period_key
+from ._unique import PERIOD_UNIQUE_STATES, Enqueued, check_key, period_key
 from .drivers import Driver
 from .errors import ConfigError, JobStateError, NotFound
 
@@ -101,6 +101,7 @@ class Admin(Generic[J]):
         decides, so concurrent callers in any number of processes get exactly
         one row. See docs/howto/unique-jobs.md.
         """
+        check_key(unique_key)  # a bad key fails here, whichever path it takes
         if unique_period is not None:
             unique_key = period_key(unique_key, unique_period)
             unique_states = PERIOD_UNIQUE_STATES if unique_states is None else unique_states

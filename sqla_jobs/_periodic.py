@@ -203,9 +203,16 @@ def enqueue_due(
 class Scheduler:
     """The thread a worker runs for its app's schedules: enqueue due slots, sleep until the next one."""
 
-    def __init__(self, queue: JobQueue[Any, Any], engine: Engine, clock: Callable[[], datetime] | None = None) -> None:
+    def __init__(self, queue: JobQueue[Any, Any], engine: Engine, clock: Callable[[], datetime] | None = None,
+                 prune_after: float | None = None) -> None:
         self.queue = queue
         self.engine = engine
+        for schedule in queue.schedules.values():
+            if prune_after is not None and schedule.missed == "once" and prune_after < schedule.catch_up:
+                # The finished row is what says a slot ran: pruned sooner, a restart could run it twice.
+                log.warning("periodic %s: finished jobs are pruned after %gs, sooner than its catch_up of %gs; "
+                            "a worker restarted within catch_up of a pruned slot would run it again. Prune later "
+                            "or pass catch_up=%g", schedule.name, prune_after, schedule.catch_up, prune_after)
         self._clock = clock or (lambda: datetime.now(timezone.utc))
         self._stop = threading.Event()
         self._seen: dict[str, datetime] = {}

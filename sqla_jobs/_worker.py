@@ -170,7 +170,8 @@ class Worker:
             if listener is not None:
                 listener.start()
             # The app's periodic jobs: every long-running worker enqueues due slots (sqla_jobs._periodic).
-            scheduler = Scheduler(self.queue, self.engine) if self.queue.schedules and not burst else None
+            scheduler = (Scheduler(self.queue, self.engine, prune_after=self.prune_after)
+                         if self.queue.schedules and not burst else None)
             if scheduler is not None:
                 scheduler.start()
             if signals is not None:

@@ -153,3 +153,14 @@ def test_four_worker_processes_with_restarts_enqueue_each_slot_once(db: Database
         states = Counter(conn.execute(select(app.Job.state)).scalars())
     assert {n for _, n in runs} == {1} and len(runs) == len(keys)  # each slot's job ran once
     assert states == {"finished": len(keys)}
+
+
+def test_pruning_sooner_than_catch_up_is_warned(caplog: pytest.LogCaptureFixture) -> None:
+    from sqlalchemy import create_engine
+
+    from sqla_jobs._periodic import Scheduler
+
+    queue = scheduled(every=60, name="minutely")
+    with caplog.at_level("WARNING", logger="sqla_jobs.periodic"):
+        Scheduler(queue, create_engine("sqlite://"), prune_after=3600)
+    assert "sooner than its catch_up of 86400s" in caplog.text and "catch_up=3600" in caplog.text
