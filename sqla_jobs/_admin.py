@@ -138,8 +138,9 @@ class Admin(Generic[J]):
         not returned; use ``session.add_all`` when you need them.
 
         Items with a ``unique_key`` are inserted one by one like
-        ``enqueue_unique``: one whose key is held (by an existing job or an
-        earlier item) is skipped, and the count leaves it out.
+        ``enqueue_unique``, after the items without one: one whose key is
+        held (by an existing job or an earlier item) is skipped, and the
+        count leaves it out.
         """
         rows = [self._checked_row(item) for item in jobs]
         session.flush()  # keep the order of jobs added earlier in this session

@@ -141,6 +141,10 @@ class Registry:
         def register(fn: F) -> F:
             if kind not in self.handlers:
                 self.handler(kind)(fn)
+            elif self.handlers[kind].fn is not fn:
+                raise ConfigError(f"@periodic(kind={kind!r}) decorates {fn!r}, but the kind's handler is "
+                                  f"{self.handlers[kind].fn!r}: decorate that one, or call queue.periodic(...) "
+                                  "without decorating")
             return fn
 
         return register

@@ -164,3 +164,11 @@ def test_pruning_sooner_than_catch_up_is_warned(caplog: pytest.LogCaptureFixture
     with caplog.at_level("WARNING", logger="sqla_jobs.periodic"):
         Scheduler(queue, create_engine("sqlite://"), prune_after=3600)
     assert "sooner than its catch_up of 86400s" in caplog.text and "catch_up=3600" in caplog.text
+
+
+def test_decorating_another_function_for_a_handled_kind_is_refused() -> None:
+    queue = scheduled(every=60)
+
+    with pytest.raises(ConfigError, match="decorate that one"):
+        @queue.periodic(every=120, kind="noop", name="other")
+        def not_the_handler(payload: dict[str, object]) -> None: ...
