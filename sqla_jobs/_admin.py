@@ -92,7 +92,7 @@ class Admin(Generic[J]):
     ) -> Enqueued[J]:
         """Insert a job unless another job holds ``unique_key``; never aborts the caller's transaction.
 
-        Returns ``Enqueued(job, inserted)``: the new job, or the job that holds
+        Returns ``Enqueued(job, inserted, id)``: the new job, or the job that holds
         the key. ``unique_states`` (default pending and running) are the states
         in which the new job holds its key; add ``"finished"`` (and/or
         ``"cancelled"``) to keep it after the run. ``unique_period`` (seconds)
@@ -117,7 +117,7 @@ class Admin(Generic[J]):
             if found is not None:
                 job = session.get(self.job_model, found, with_for_update=driver.holder_lock)
                 if job is not None:
-                    return Enqueued(job, new_id is not None)
+                    return Enqueued(job, new_id is not None, found)
             # The holder ended between our INSERT and the read: the key is free, try again.
         raise JobStateError(f"unique key {row['unique_key']!r} changed holder {_UNIQUE_RACE_RETRIES} times while "
                             "enqueueing; retry the transaction")

@@ -208,6 +208,9 @@ class Scheduler:
         self.queue = queue
         self.engine = engine
         for schedule in queue.schedules.values():
+            if queue.check_kinds and queue.handlers and schedule.kind not in queue.handlers:
+                log.error("periodic %s: %s; its slots are refused until one is", schedule.name,
+                          queue.unknown_kind_message(schedule.kind))
             if prune_after is not None and schedule.missed == "once" and prune_after < schedule.catch_up:
                 # The finished row is what says a slot ran: pruned sooner, a restart could run it twice.
                 log.warning("periodic %s: finished jobs are pruned after %gs, sooner than its catch_up of %gs; "

@@ -151,11 +151,12 @@ J = TypeVar("J")
 
 @dataclass(frozen=True)
 class Enqueued(Generic[J]):
-    """What ``JobQueue.enqueue_unique`` did: ``job`` is the new job (``inserted``) or the one that holds the key."""
+    """What ``JobQueue.enqueue_unique`` did: ``job`` is the new job (``inserted``) or the one that holds the key.
+
+    ``id`` is the job's id, readable after the session is closed (``job``'s
+    attributes expire at commit unless the session says otherwise).
+    """
 
     job: J
     inserted: bool
-
-    @property
-    def id(self) -> int:
-        return self.job.id  # type: ignore[attr-defined,no-any-return]
+    id: int
