@@ -141,7 +141,7 @@ class Registry:
         def register(fn: F) -> F:
             if kind not in self.handlers:
                 self.handler(kind)(fn)
-            elif self.handlers[kind].fn is not fn:
+            elif fn not in (self.handlers[kind].fn, getattr(self.handlers[kind].fn, "__wrapped__", None)):
                 raise ConfigError(f"@periodic(kind={kind!r}) decorates {fn!r}, but the kind's handler is "
                                   f"{self.handlers[kind].fn!r}: decorate that one, or call queue.periodic(...) "
                                   "without decorating")
