@@ -172,3 +172,13 @@ def test_decorating_another_function_for_a_handled_kind_is_refused() -> None:
     with pytest.raises(ConfigError, match="decorate that one"):
         @queue.periodic(every=120, kind="noop", name="other")
         def not_the_handler(payload: dict[str, object]) -> None: ...
+
+
+def test_periodic_stacks_on_a_handler_with_options() -> None:
+    queue: JobQueue[app.Job, app.DeadJob] = JobQueue(app.Job, app.DeadJob, check_kinds=False)
+
+    @queue.periodic(every=60, kind="report")
+    @queue.handler("report", timeout=5)
+    def report(payload: dict[str, object]) -> None: ...
+
+    assert queue.handlers["report"].timeout == 5 and "report" in queue.schedules
