@@ -656,3 +656,17 @@ def test_upgrade_in_place_from_0_1(empty_db: Database, tmp_path: Path) -> None:
     project.alembic("downgrade", "-1")  # back to 0.1, and up again
     project.alembic("upgrade", "head")
     project.check_clean()
+
+
+def test_create_tables_on_a_0_1_database_leaves_the_new_columns_to_a_migration(db: Database) -> None:
+    """Without alembic: create-tables does not trip over the indexes of columns it cannot add, and the
+    worker says which columns are missing and what to run."""
+    from tests.conftest import run_cli
+
+    downgrade_to_0_1(db, "jobs", "dead_jobs")
+    created = run_cli("create-tables", "--app", "tests.app:queue", env=db.env())
+    assert created.returncode == 0, created.stderr
+    refused = run_cli("worker", "--app", "tests.app:queue", "--burst", env=db.env())
+    assert refused.returncode == 2, refused.stderr
+    assert "lacks column(s) unique_held, unique_key, unique_states" in refused.stderr
+    assert "sqla-jobs migrations render" in refused.stderr

@@ -210,9 +210,14 @@ class Driver(Setup, Operations, Uniqueness):
         """
         for table in (self.jobs, self.dead):
             table.create(conn, checkfirst=True)
-            for index in table.indexes:
-                if self.applies(index):
-                    conn.execute(CreateIndex(index, if_not_exists=True))
+            for index in self.creatable_indexes(conn, table):
+                conn.execute(CreateIndex(index, if_not_exists=True))
+
+    def creatable_indexes(self, conn: Connection, table: Table) -> list[Any]:
+        """The table's indexes for this backend whose columns exist: an index over a column a newer
+        sqla-jobs added waits for the migration that adds the column (``check_schema`` asks for it)."""
+        have = {c["name"] for c in inspect(conn).get_columns(table.name, schema=table.schema)}
+        return [ix for ix in table.indexes if self.applies(ix) and {c.name for c in ix.columns} <= have]
 
     def has_notify_trigger(self, conn: Connection) -> bool:
         """Whether inserts into the jobs table wake workers (False where workers always poll)."""

@@ -214,8 +214,8 @@ class MySQLDriver(Driver):
         for table in (self.jobs, self.dead):
             table.create(conn, checkfirst=True)
             have = self._index_names_of(conn, table)
-            for index in table.indexes:
-                if self.applies(index) and index.name not in have:
+            for index in self.creatable_indexes(conn, table):
+                if index.name not in have:
                     conn.execute(CreateIndex(index))
 
     @staticmethod
