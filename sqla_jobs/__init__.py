@@ -9,6 +9,7 @@ from ._backoff import Backoff
 from ._context import JobContext, current_job
 from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
 from ._stats import DeadLetters, QueueLength, QueueStats, RunTime
+from ._unique import Enqueued, unique_key
 from ._worker import Worker
 from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
@@ -34,6 +35,7 @@ __all__ = [
     "ConnectionProblem",
     "DeadJobMixin",
     "DeadLetters",
+    "Enqueued",
     "InvalidJob",
     "JobCancel",
     "JobContext",
@@ -50,4 +52,5 @@ __all__ = [
     "SqlaJobsError",
     "Worker",
     "current_job",
+    "unique_key",
 ]

@@ -11,8 +11,9 @@ take an ``Engine`` and commit their own transactions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from datetime import datetime
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -20,9 +21,11 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
+from . import _periodic
 from ._models import STATES, JobMixin, check_row
 from ._stats import QueueStats, collect
 from ._typed import as_payload
+from ._unique import PERIOD_UNIQUE_STATES, Enqueued, check_key, period_key
 from .drivers import Driver
 from .errors import ConfigError, JobStateError, NotFound
 
@@ -31,6 +34,8 @@ __all__ = ["Admin"]
 J = TypeVar("J", bound=JobMixin)
 # How many lost races (deadlocks) one prune survives before it reports the error.
 _PRUNE_CONFLICT_RETRIES = 20
+# How many times enqueue_unique tries again when the key's holder ended between its INSERT and its read.
+_UNIQUE_RACE_RETRIES = 10
 
 
 class Admin(Generic[J]):
@@ -64,30 +69,97 @@ class Admin(Generic[J]):
     # -- enqueue, in the caller's transaction ----------------------------------------
 
     def enqueue(self, session: Session, kind: str, payload: dict[str, Any] | None = None, **fields: Any) -> J:
-        """Add a job to ``session`` (same as ``session.add(Job(...))``) and return it."""
+        """Add a job to ``session`` (same as ``session.add(Job(...))``) and return it.
+
+        With ``unique_key=`` it is ``enqueue_unique(...).job``: the new job, or
+        the one that holds the key; a duplicate never fails the transaction.
+        """
+        if fields.get("unique_key") is not None:
+            return self.enqueue_unique(session, kind, payload, **fields).job
         job = self.job_model(kind=kind, payload={} if payload is None else payload, **fields)
         session.add(job)
         return job
+
+    def enqueue_unique(
+        self,
+        session: Session,
+        kind: str,
+        payload: dict[str, Any] | None = None,
+        *,
+        unique_key: str,
+        unique_states: Sequence[str] | None = None,
+        unique_period: float | None = None,
+        **fields: Any,
+    ) -> Enqueued[J]:
+        """Insert a job unless another job holds ``unique_key``; never aborts the caller's transaction.
+
+        Returns ``Enqueued(job, inserted, id)``: the new job, or the job that holds
+        the key. ``unique_states`` (default pending and running) are the states
+        in which the new job holds its key; add ``"finished"`` (and/or
+        ``"cancelled"``) to keep it after the run. ``unique_period`` (seconds)
+        appends the period's start to the key and keeps finished jobs holding
+        it: at most one job per key per period. The database's unique index
+        decides, so concurrent callers in any number of processes get exactly
+        one row. See docs/howto/unique-jobs.md.
+        """
+        check_key(unique_key)  # a bad key fails here, whichever path it takes
+        if unique_period is not None:
+            unique_key = period_key(unique_key, unique_period)
+            unique_states = PERIOD_UNIQUE_STATES if unique_states is None else unique_states
+        item = {"kind": kind, "payload": {} if payload is None else payload, **fields,
+                "unique_key": unique_key, "unique_states": unique_states}
+        row = self._checked_row(item)
+        session.flush()  # jobs added earlier in this session go first, as with enqueue_many
+        conn = session.connection()
+        driver = self.driver(conn)
+        for _ in range(_UNIQUE_RACE_RETRIES):
+            new_id = driver.insert_unique(conn, row)
+            found = new_id if new_id is not None else driver.unique_holder(conn, row["unique_key"])
+            if found is not None:
+                job = session.get(self.job_model, found, with_for_update=driver.holder_lock)
+                if job is not None:
+                    return Enqueued(job, new_id is not None, found)
+            # The holder ended between our INSERT and the read: the key is free, try again.
+        raise JobStateError(f"unique key {row['unique_key']!r} changed holder {_UNIQUE_RACE_RETRIES} times while "
+                            "enqueueing; retry the transaction")
+
+    def _checked_row(self, item: Mapping[str, Any]) -> dict[str, Any]:
+        row = check_row(self.job_model, item)  # the payload comes back encoded, once
+        self.check_job(SimpleNamespace(**{**row, "payload": as_payload(item.get("payload", {}))}))
+        return row
 
     def enqueue_many(self, session: Session, jobs: Iterable[Mapping[str, Any]]) -> int:
         """Insert many jobs fast, in ``session``'s transaction; returns how many.
 
         Each item is a mapping with ``kind`` and optionally ``payload``,
-        ``queue``, ``priority``, ``max_attempts`` and ``run_at``, checked
-        exactly like ``Job(...)`` (``check_job`` included): one bad item fails
-        the call before anything is written. PostgreSQL loads them with COPY.
-        No ORM objects are made, so ids are not returned; use
-        ``session.add_all`` when you need them.
+        ``queue``, ``priority``, ``max_attempts``, ``run_at``, ``unique_key`` and
+        ``unique_states``, checked exactly like ``Job(...)`` (``check_job``
+        included): one bad item fails the call before anything is written.
+        PostgreSQL loads them with COPY. No ORM objects are made, so ids are
+        not returned; use ``session.add_all`` when you need them.
+
+        Items with a ``unique_key`` are inserted one by one like
+        ``enqueue_unique``, after the items without one: one whose key is
+        held (by an existing job or an earlier item) is skipped, and the
+        count leaves it out.
         """
-        rows = []
-        for item in jobs:
-            row = check_row(self.job_model, item)  # the payload comes back encoded, once
-            self.check_job(SimpleNamespace(**{**row, "payload": as_payload(item.get("payload", {}))}))
-            rows.append(row)
+        rows = [self._checked_row(item) for item in jobs]
         session.flush()  # keep the order of jobs added earlier in this session
         conn = session.connection()
-        self.driver(conn).insert_many(conn, rows)
-        return len(rows)
+        driver = self.driver(conn)
+        plain = [row for row in rows if row["unique_key"] is None]
+        if plain:
+            driver.insert_many(conn, plain)
+        keyed = sum(driver.insert_unique(conn, row) is not None for row in rows if row["unique_key"] is not None)
+        return len(plain) + keyed
+
+    def enqueue_periodic(self, engine: Engine, *, now: datetime | None = None) -> list[J]:
+        """Enqueue every schedule's due slot now (what each worker does on its own); returns the jobs inserted.
+
+        ``now`` (aware) stands in for the clock, e.g. in tests. One short
+        transaction per schedule, committed here.
+        """
+        return _periodic.enqueue_due(self, engine, now)  # type: ignore[arg-type]
 
     # -- reads -------------------------------------------------------------------
 
@@ -115,13 +187,15 @@ class Admin(Generic[J]):
         kind: str | None = None,
         state: str | None = None,
         queue: str | None = None,
+        unique_key: str | None = None,
         limit: int = 50,
     ) -> list[Any]:
-        """Jobs newest first, filtered by kind / state / queue name."""
+        """Jobs newest first, filtered by kind / state / queue name / unique key (its periods included)."""
         if state is not None and state not in STATES:
             raise ConfigError(f"unknown state {state!r}; choose from {', '.join(STATES)}")
         conn = session.connection()
-        return self.driver(conn).list_jobs(conn, kind=kind, state=state, queue=queue, limit=limit)
+        return self.driver(conn).list_jobs(conn, kind=kind, state=state, queue=queue, unique_key=unique_key,
+                                           limit=limit)
 
     def list_dead(
         self, session: Session, *, kind: str | None = None, since: float | None = None, limit: int = 50

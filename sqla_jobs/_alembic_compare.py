@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 
 from alembic.autogenerate import comparators
 from alembic.operations import ops
-from sqlalchemy import Column, Index, Table, text
+from sqlalchemy import Column, Computed, Index, Table, event, text
 
 from ._models import DeadJobMixin, JobMixin
-from .drivers import driver_class_of
+from .drivers import GeneratedColumn, driver_class_of
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
@@ -103,6 +103,8 @@ def _server_defaults_of_job_tables(yours: Any) -> Callable[..., bool | None]:
     def compare(context: Any, inspected_column: Any, metadata_column: Any, *defaults: Any) -> bool | None:
         table = metadata_column.table
         if _our_index_names(table):
+            if isinstance(metadata_column.server_default, GeneratedColumn):
+                return False  # a generated column cannot be altered; its expression is ours (see _generated_as_default)
             inspected, rendered = defaults[0], defaults[-1] if defaults else None
             if _is_null_default(rendered):  # "DEFAULT NULL": PostgreSQL reflects it as no default
                 return not (inspected is None or _is_null_default(inspected))
@@ -173,6 +175,70 @@ def _compare_job_index_lists(
             old = found.as_index(index.name, conn_table, dialect) or index
             modify_ops.ops.append(ops.DropIndexOp.from_index(old))
             modify_ops.ops.append(ops.CreateIndexOp.from_index(index))
+
+
+@event.listens_for(Table, "column_reflect")
+def _generated_as_default(inspector: Any, table: Table, column_info: dict[str, Any]) -> None:
+    """A job table's generated column, reflected, reads as a plain server default.
+
+    alembic (1.20) fails comparing a reflected generated column when
+    ``compare_server_default`` is a callable, as ours is; handed over as a
+    default, it reaches our comparison, which leaves it alone (it cannot be altered).
+    """
+    if column_info.get("computed") and column_info["name"] == "unique_held" and _our_index_names(table):
+        computed = column_info.pop("computed")
+        column_info["default"] = str(computed.get("sqltext"))
+
+
+def _is_generated(op: Any) -> bool:
+    column = getattr(op, "column", None)
+    return isinstance(getattr(column, "server_default", None), Computed)
+
+
+def order_generated_columns(container: Any) -> None:
+    """Add generated columns after the columns they read, and drop them first.
+
+    alembic orders the columns it adds to an existing table as a set does, and
+    ``unique_held`` reads ``unique_key`` and ``unique_states``: PostgreSQL and
+    SQLite refuse a generated column over a column not there yet, or dropping
+    a column a generated one reads.
+    """
+    for op in list(getattr(container, "ops", [])):
+        if isinstance(op, (ops.ModifyTableOps, ops.UpgradeOps, ops.DowngradeOps)):
+            order_generated_columns(op)
+    if not isinstance(container, ops.ModifyTableOps):
+        return
+    adds = [op for op in container.ops if isinstance(op, ops.AddColumnOp)]
+    if any(_is_generated(op) for op in adds):
+        others = [op for op in container.ops if not isinstance(op, ops.AddColumnOp)]
+        at = container.ops.index(adds[0])
+        ordered = [op for op in adds if not _is_generated(op)] + [op for op in adds if _is_generated(op)]
+        container.ops = [op for op in others if container.ops.index(op) < at] + ordered + [
+            op for op in others if container.ops.index(op) > at]
+    drops = [op for op in container.ops if isinstance(op, ops.DropColumnOp)]
+    generated = [op for op in drops if _is_generated(op.to_column()) or _reads_as_generated(op)]
+    if generated:
+        rest = [op for op in container.ops if op not in generated]
+        first = next(i for i, op in enumerate(rest) if isinstance(op, ops.DropColumnOp))
+        container.ops = rest[:first] + generated + rest[first:]
+
+
+def _reads_as_generated(op: Any) -> bool:
+    # A drop's reverse (the column as reflected) may carry the generated column as a plain default.
+    return bool(getattr(op, "column_name", None) == "unique_held")
+
+
+def wrap_revision_directives(yours: Any) -> Callable[..., None]:
+    """``process_revision_directives``: yours first, then ``order_generated_columns`` on each script."""
+
+    def process(context: Any, revision: Any, directives: list[Any]) -> None:
+        if yours is not None:
+            yours(context, revision, directives)
+        for script in directives:
+            for container in (*getattr(script, "upgrade_ops_list", []), *getattr(script, "downgrade_ops_list", [])):
+                order_generated_columns(container)
+
+    return process
 
 
 # alembic calls every registered "table" comparator for every table; ours acts on job tables only.

@@ -156,7 +156,8 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
     queue, engine = _open(args)
     _check_kind(queue, engine, args.kind, dead=False)
     with Session(engine) as session:
-        rows = queue.list_jobs(session, kind=args.kind, state=args.state, queue=args.queue, limit=args.limit)
+        rows = queue.list_jobs(session, kind=args.kind, state=args.state, queue=args.queue,
+                               unique_key=args.unique_key, limit=args.limit)
     if args.json:
         _print_json([_row_dict(r) for r in rows])
         return 0

@@ -19,9 +19,11 @@ import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta, tzinfo
 from typing import Any, TypeVar
 
 from ._backoff import Backoff
+from ._periodic import Schedule, make_schedule
 from ._typed import PayloadSchema, declared_payload_type
 from .errors import ConfigError, InvalidJob
 
@@ -69,6 +71,8 @@ class Registry:
         self.backoff = backoff or Backoff()
         self.check_kinds = check_kinds
         self.handlers: dict[str, Handler] = {}
+        #: Periodic jobs by name (``periodic``); every worker of this app enqueues their slots.
+        self.schedules: dict[str, Schedule] = {}
         self._hooks: dict[str, list[Callable[[JobEvent], Any]]] = {name: [] for name in EVENTS}
 
     # -- handlers ----------------------------------------------------------------
@@ -108,6 +112,51 @@ class Registry:
             schema = PayloadSchema(kind, declared) if declared is not None else None
             call = _typed_call(fn, schema, is_async) if schema is not None else fn
             self.handlers[kind] = Handler(kind, call, timeout, backoff, transactional, is_async, schema)
+            return fn
+
+        return register
+
+    def periodic(
+        self,
+        cron: str | None = None,
+        *,
+        every: float | timedelta | None = None,
+        kind: str,
+        payload: dict[str, Any] | None = None,
+        tz: str | tzinfo | None = None,
+        name: str | None = None,
+        missed: str = "once",
+        catch_up: float = 86400.0,
+        **fields: Any,
+    ) -> Callable[[F], F]:
+        """Enqueue a ``kind`` job on a schedule: a ``cron`` expression in time zone ``tz``, or ``every`` seconds.
+
+        Registered at once; used as a decorator, the function also becomes
+        the handler of ``kind``. Every worker of this app enqueues the due
+        slots; the database lets exactly one job per slot in. ``missed``:
+        after downtime, ``"once"`` runs the latest missed slot if it is at
+        most ``catch_up`` seconds old, ``"skip"`` waits for the next slot.
+        ``name`` (default: ``kind``) identifies the schedule in its slots'
+        keys: two schedules of one kind need names. ``fields``: ``queue``,
+        ``priority``, ``max_attempts`` of the jobs. See docs/howto/periodic-jobs.md.
+        """
+        schedule = make_schedule(cron, every=every, kind=kind, payload=payload, tz=tz, name=name, missed=missed,
+                                 catch_up=catch_up, fields=fields)
+        if schedule.name in self.schedules:
+            raise ConfigError(f"a periodic schedule named {schedule.name!r} exists already: give this one name=")
+        unknown = set(fields) - {"queue", "priority", "max_attempts"}
+        if unknown:
+            raise ConfigError(f"periodic: unknown job field(s) {', '.join(sorted(unknown))}; "
+                              "allowed: queue, priority, max_attempts")
+        self.schedules[schedule.name] = schedule
+
+        def register(fn: F) -> F:
+            if kind not in self.handlers:
+                self.handler(kind)(fn)
+            elif fn not in (self.handlers[kind].fn, getattr(self.handlers[kind].fn, "__wrapped__", None)):
+                raise ConfigError(f"@periodic(kind={kind!r}) decorates {fn!r}, but the kind's handler is "
+                                  f"{self.handlers[kind].fn!r}: decorate that one, or call queue.periodic(...) "
+                                  "without decorating")
             return fn
 
         return register

@@ -68,6 +68,7 @@ from ._app import JobQueue
 from ._control import Control
 from ._executor import Executor
 from ._outage import database_key
+from ._periodic import Scheduler
 from ._store import Store
 from ._worker_config import WorkerConfig, check_pool
 from .drivers.base import Driver
@@ -168,12 +169,19 @@ class Worker:
             listener = self.sql.listener(self.engine, self._wake.set, self.name) if self.listen else None
             if listener is not None:
                 listener.start()
+            # The app's periodic jobs: every long-running worker enqueues due slots (sqla_jobs._periodic).
+            scheduler = (Scheduler(self.queue, self.engine, prune_after=self.prune_after)
+                         if self.queue.schedules and not burst else None)
+            if scheduler is not None:
+                scheduler.start()
             if signals is not None:
                 signals.attach(f"worker {self.name}", self.stop)
             log.info("worker %s started: concurrency %d, lease %gs", self.name, self.concurrency, self.lease)
             try:
                 self._control.run(burst)
             finally:
+                if scheduler is not None:
+                    scheduler.stop()
                 if listener is not None:
                     listener.stop()
                 self._store.close()

@@ -81,18 +81,21 @@ from alembic.script import ScriptDirectory
 from alembic.util import CommandError
 from sqlalchemy import Connection, MetaData, inspect, make_url
 from sqlalchemy.dialects import postgresql
-from sqlalchemy.dialects.postgresql import JSON as PG_JSON
-from sqlalchemy.dialects.postgresql import JSONB
 
-from ._alembic_compare import _leave_our_indexes_to_us, _server_defaults_of_job_tables, _with_our_indexes, job_tables
-from ._payload import PayloadType
-from .drivers import JSONText, driver_class_of, normalise_url, registered
+from ._alembic_compare import (
+    _leave_our_indexes_to_us,
+    _server_defaults_of_job_tables,
+    _with_our_indexes,
+    job_tables,
+    order_generated_columns,
+    wrap_revision_directives,
+)
+from ._alembic_render import RenderItem, render_item, wrap_render_item
+from .drivers import driver_class_of, normalise_url, registered
 from .drivers.base import index_dialects
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from alembic.autogenerate.api import AutogenContext
-
     from ._app import JobQueue
 
 __all__ = [
@@ -109,54 +112,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-RenderItem = Callable[[str, Any, "AutogenContext"], "str | bool"]
 IncludeObject = Callable[[Any, "str | None", str, bool, Any], bool]
 IncludeName = Callable[["str | None", str, dict[str, Any]], bool]
-
-
-# -- rendering -------------------------------------------------------------------
-
-
-def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | bool:
-    """Render what alembic gets wrong for the job tables; ``False`` means "alembic's default".
-
-    PostgreSQL ``JSON``/``JSONB`` types (alone or as a variant) are rendered
-    with ``sa.Text()`` for their ``astext_type`` and the import they need, so
-    the revision runs no matter which database it was generated against.
-    """
-    if type_ == "type" and isinstance(obj, PayloadType):
-        # The payload column's type is internal; to the database it is JSON (jsonb on PostgreSQL).
-        prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""
-        rendered = f"{prefix}{obj.impl_instance!r}"
-        for dialect, variant in sorted(getattr(obj, "_variant_mapping", {}).items()):
-            inner = variant.impl_instance if isinstance(variant, PayloadType) else variant
-            shown = render_item("type", inner, autogen_context)
-            rendered += f".with_variant({shown if shown is not False else prefix + repr(inner)}, {dialect!r})"
-        return rendered
-    if type_ == "type" and isinstance(obj, JSONText):
-        # MariaDB/MySQL keep the job tables' JSON as LONGTEXT (see drivers/mysql.py); the revision needs only that.
-        autogen_context.imports.add("from sqlalchemy.dialects import mysql")
-        return "mysql.LONGTEXT()"
-    if type_ == "type" and isinstance(obj, (JSONB, PG_JSON)):
-        autogen_context.imports.add("from sqlalchemy.dialects import postgresql")
-        prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""
-        # repr is e.g. "JSONB(astext_type=Text())"; Text is only importable via sa.
-        return "postgresql." + repr(obj).replace("astext_type=Text(", f"astext_type={prefix}Text(")
-    return False
-
-
-def wrap_render_item(yours: RenderItem | None) -> RenderItem:
-    """A ``render_item`` that asks ``yours`` first, then ours, then alembic's default."""
-    if yours is None:
-        return render_item
-
-    def combined(type_: str, obj: Any, autogen_context: AutogenContext) -> str | bool:
-        rendered = yours(type_, obj, autogen_context)
-        if rendered is not False:
-            return rendered
-        return render_item(type_, obj, autogen_context)
-
-    return combined
 
 
 def configure_options(
@@ -181,6 +138,7 @@ def configure_options(
     """
     result: dict[str, Any] = {"compare_type": True, **options, "render_item": wrap_render_item(render_item)}
     result["include_object"] = _with_our_indexes(include_object)
+    result["process_revision_directives"] = wrap_revision_directives(options.get("process_revision_directives"))
     result["compare_server_default"] = _server_defaults_of_job_tables(options.get("compare_server_default", False))
     schemas = {t.schema for t in metadata.tables.values()} if metadata is not None else set()
     named = {s for s in schemas if s is not None}
@@ -220,7 +178,9 @@ def _job_metadata(queue: JobQueue[Any, Any]) -> MetaData:
         copy = original.to_metadata(metadata)
         # to_metadata drops Index.ddl_if: give each per-database index its dialects back.
         def key(ix: Any) -> tuple[str, ...]:
-            return (str(ix.name), *(str(getattr(e, "name", None) or e) for e in ix.expressions))
+            # The WHERE tells apart two variants of one index on the same columns (partial or not).
+            where = ix.dialect_kwargs.get("postgresql_where")
+            return (str(ix.name), str(where), *(str(getattr(e, "name", None) or e) for e in ix.expressions))
 
         rules = {key(ix): index_dialects(ix) for ix in original.indexes}
         for index in copy.indexes:
@@ -287,6 +247,8 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
     )
     script = produce_migrations(context, metadata)
     assert script.upgrade_ops is not None and script.downgrade_ops is not None
+    order_generated_columns(script.upgrade_ops)
+    order_generated_columns(script.downgrade_ops)
     if not script.upgrade_ops.is_empty():
         script.upgrade_ops.ops[:0] = _create_schemas(metadata, conn)
     return script.upgrade_ops, script.downgrade_ops

@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", help="only jobs of this kind")
     p.add_argument("--state", choices=STATES, help="only jobs in this state")
     p.add_argument("--queue", help="only jobs in this queue")
+    p.add_argument("--unique-key", metavar="KEY",
+                   help="only jobs with this unique key (and its periods, KEY@...; a schedule's slots: periodic:NAME)")
     p.add_argument("--limit", type=_positive(int), default=50, help="show at most this many")
     _json_flag(p, "an array of jobs")
     p.set_defaults(func=cmd_jobs_list)

@@ -363,20 +363,23 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
 
     refused = project.sqla_jobs("worker", "--app", "jobmodels:queue", "--burst", check=False)
     assert refused.returncode == 2
-    assert "lacks column(s) cancelled_at, errors, isolate" in refused.stderr
+    assert "lacks column(s) cancelled_at, errors, isolate, unique_held, unique_key, unique_states" in refused.stderr
     assert "sqla-jobs migrations render" in refused.stderr
 
     out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_partial_db.url).stdout
     [revision] = project.revisions()
     source = revision.read_text()
-    # Exactly the difference: four columns, one new index, the claim index rebuilt in its new column
+    # Exactly the difference: eight columns, three new indexes, the claim index rebuilt in its new column
     # order, and on PostgreSQL the NOTIFY trigger; nothing created or dropped besides.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
-    expected = sorted(["add_column"] * 4 + ["create_index"] * 2 + ["drop_index"] + trigger)
+    # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
+    expected = sorted(["add_column"] * 8 + ["create_index"] * 4 + ["drop_index"] + ["get_bind"] + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
-        ("app_dead_tasks", "errors"), ("app_tasks", "cancelled_at"), ("app_tasks", "errors"), ("app_tasks", "isolate")
+        ("app_dead_tasks", "errors"), ("app_dead_tasks", "unique_key"), ("app_tasks", "cancelled_at"),
+        ("app_tasks", "errors"), ("app_tasks", "isolate"), ("app_tasks", "unique_held"), ("app_tasks", "unique_key"),
+        ("app_tasks", "unique_states"),
     ]
     # NOT NULL with a server default, so the rows already there get false and the upgrade needs no data step.
     isolate = r"sa\.Column\('isolate', sa\.Boolean\(\), server_default=sa\.text\('\(?false\)?'\), nullable=False\)"
@@ -609,3 +612,61 @@ def test_render_errors_are_one_line(tmp_path: Path) -> None:
     assert broken.returncode == 2 and "nowhere" in broken.stderr
     for result in (missing, broken):
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def downgrade_to_0_1(db: Database, jobs: str = "app_tasks", dead: str = "app_dead_tasks") -> None:
+    """Turn this version's job tables into sqla-jobs 0.1's: no unique keys (their indexes first, then the
+    generated column, then the columns it reads)."""
+    on = (lambda table: f" ON {table}") if db.backend == "mariadb" else (lambda table: "")
+    with db.engine.begin() as conn:
+        for index in (f"ux_{jobs}_unique", f"ix_{jobs}_unique_key"):
+            conn.execute(text(f"DROP INDEX {index}{on(jobs)}"))
+        for column in ("unique_held", "unique_states", "unique_key"):
+            conn.execute(text(f"ALTER TABLE {jobs} DROP COLUMN {column}"))
+        conn.execute(text(f"ALTER TABLE {dead} DROP COLUMN unique_key"))
+
+
+def test_upgrade_in_place_from_0_1(empty_db: Database, tmp_path: Path) -> None:
+    """A 0.1 database with jobs in it gets the unique-key columns and indexes in place, on every backend:
+    render writes exactly those, the rows stay, a worker runs them, and unique enqueues work after."""
+    project = user_project(tmp_path, empty_db)
+    project.alembic("revision", "--autogenerate", "-m", "jobs")
+    project.alembic("upgrade", "head")
+    downgrade_to_0_1(empty_db)
+    with empty_db.engine.begin() as conn:  # a job left from 0.1
+        conn.execute(text("INSERT INTO app_tasks (kind, payload) VALUES ('ok', '{}')"))
+    out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_db.url).stdout
+    # (Autogenerate cannot see the NOTIFY trigger, so render adds it on PostgreSQL.)
+    summary = sorted(line.strip() for line in out.splitlines() if line.startswith("  ") and "trigger" not in line)
+    assert summary == [
+        "add column app_dead_tasks.unique_key", "add column app_tasks.unique_held",
+        "add column app_tasks.unique_key", "add column app_tasks.unique_states",
+        "create index ix_app_tasks_unique_key", "create index ux_app_tasks_unique",
+    ], out
+    project.alembic("upgrade", "head")
+    project.check_clean()
+    project.run("-c", "import os; from sqlalchemy import create_engine; from sqlalchemy.orm import Session; "
+                "import jobmodels as m; e = create_engine(os.environ['SQLA_JOBS_URL']); "
+                "s = Session(e); r = [m.queue.enqueue_unique(s, 'ok', {}, unique_key='k').inserted for _ in 'ab']; "
+                "s.commit(); assert r == [True, False], r")
+    project.sqla_jobs("worker", "--app", "jobmodels:queue", "--burst")
+    with empty_db.engine.connect() as conn:
+        rows = conn.execute(text("SELECT unique_key, state FROM app_tasks ORDER BY id")).all()
+    assert [tuple(r) for r in rows] == [(None, "finished"), ("k", "finished")]
+    project.alembic("downgrade", "-1")  # back to 0.1, and up again
+    project.alembic("upgrade", "head")
+    project.check_clean()
+
+
+def test_create_tables_on_a_0_1_database_leaves_the_new_columns_to_a_migration(db: Database) -> None:
+    """Without alembic: create-tables does not trip over the indexes of columns it cannot add, and the
+    worker says which columns are missing and what to run."""
+    from tests.conftest import run_cli
+
+    downgrade_to_0_1(db, "jobs", "dead_jobs")
+    created = run_cli("create-tables", "--app", "tests.app:queue", env=db.env())
+    assert created.returncode == 0, created.stderr
+    refused = run_cli("worker", "--app", "tests.app:queue", "--burst", env=db.env())
+    assert refused.returncode == 2, refused.stderr
+    assert "lacks column(s) unique_held, unique_key, unique_states" in refused.stderr
+    assert "sqla-jobs migrations render" in refused.stderr

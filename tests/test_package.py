@@ -19,6 +19,7 @@ PUBLIC = [
     "ConnectionProblem",
     "DeadJobMixin",
     "DeadLetters",
+    "Enqueued",
     "InvalidJob",
     "JobCancel",
     "JobContext",
@@ -35,6 +36,7 @@ PUBLIC = [
     "SqlaJobsError",
     "Worker",
     "current_job",
+    "unique_key",
 ]
 
 
@@ -47,8 +49,9 @@ def test_public_names_are_pinned() -> None:
 #: (sqla_jobs/_registry.py, sqla_jobs/_admin.py) must not change it.
 APP_METHODS = [
     "cancel", "check_job", "check_schema", "create_tables", "dashboard", "driver", "emit", "enqueue", "enqueue_many",
-    "get_dead", "get_job", "handler", "list_dead", "list_jobs", "listens", "off", "on", "prune", "purge_dead",
-    "requeue_dead", "retry_delay", "retry_now", "stats", "unknown_kind_message",
+    "enqueue_periodic", "enqueue_unique", "get_dead", "get_job", "handler", "list_dead", "list_jobs", "listens", "off",
+    "on", "periodic", "prune", "purge_dead", "requeue_dead", "retry_delay", "retry_now", "stats",
+    "unknown_kind_message",
 ]
 
 

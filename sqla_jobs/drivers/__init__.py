@@ -43,6 +43,7 @@ from sqlalchemy import Connection, Engine, Table
 from sqlalchemy.engine import URL
 
 from ..errors import ConfigError
+from ._setup import GeneratedColumn
 from .base import DatabaseNow, Driver
 from .mysql import JSONText, MySQLDriver
 from .postgresql import PostgreSQLDriver
@@ -51,6 +52,7 @@ from .sqlite import SQLiteDriver
 __all__ = [
     "DatabaseNow",
     "Driver",
+    "GeneratedColumn",
     "JSONText",
     "attach_table_events",
     "driver_class",

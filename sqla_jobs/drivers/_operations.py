@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Select, Table, and_, delete, func, insert, inspect, select, update
+from sqlalchemy import Connection, Select, Table, and_, delete, func, insert, inspect, or_, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import SchemaError
@@ -220,9 +220,13 @@ class Operations:
         kind: str | None = None,
         state: str | None = None,
         queue: str | None = None,
+        unique_key: str | None = None,
         limit: int = 50,
     ) -> list[Any]:
-        """Newest first; with ``state`` the query stays on that state's partial index where one exists."""
+        """Newest first; with ``state`` the query stays on that state's partial index where one exists.
+
+        ``unique_key`` matches the key itself and its periods (``key@<period start>``).
+        """
         t = self.jobs
         stmt = select(t).order_by(t.c.id.desc()).limit(limit)
         if kind is not None:
@@ -231,6 +235,9 @@ class Operations:
             stmt = stmt.where(t.c.state == state)
         if queue is not None:
             stmt = stmt.where(t.c.queue == queue)
+        if unique_key is not None:
+            stmt = stmt.where(or_(t.c.unique_key == unique_key, t.c.unique_key.startswith(f"{unique_key}@",
+                                                                                         autoescape=True)))
         return list(conn.execute(stmt))
 
     def list_dead(

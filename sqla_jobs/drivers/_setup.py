@@ -12,13 +12,13 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, DateTime, Engine, Index, Table, insert
+from sqlalchemy import Computed, Connection, DateTime, Engine, Index, Table, insert
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
-__all__ = ["DatabaseNow", "IndexDefinition", "Setup", "index_dialects"]
+__all__ = ["DatabaseNow", "GeneratedColumn", "IndexDefinition", "Setup", "index_dialects"]
 
 
 class DatabaseNow(FunctionElement[datetime]):
@@ -36,6 +36,21 @@ class DatabaseNow(FunctionElement[datetime]):
 @compiles(DatabaseNow)
 def _current_timestamp(element: DatabaseNow, compiler: Any, **kw: Any) -> str:
     return "CURRENT_TIMESTAMP"
+
+
+class GeneratedColumn(Computed):
+    """A generated column that an index can cover: virtual unless a driver says otherwise.
+
+    SQLite and MariaDB index virtual columns (and SQLite can add only virtual
+    ones to an existing table); PostgreSQL 18's virtual columns cannot be
+    indexed, so its driver makes them STORED (``drivers/postgresql.py``).
+    """
+
+    inherit_cache = True
+
+    def _copy(self, *, target_table: Table | None = None, **kw: Any) -> GeneratedColumn:
+        # Computed's copy is a plain Computed; a mixin's columns are copied into each model's table.
+        return self._schema_item_copy(GeneratedColumn(self.sqltext, persisted=self.persisted))  # type: ignore[no-any-return]
 
 
 def index_dialects(index: Index) -> tuple[str, ...] | None:

@@ -45,8 +45,10 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
+from ._unique import Uniqueness
 
 __all__ = [
+    "DEAD_COLUMNS",
     "MAX_ERROR_LENGTH",
     "Claimed",
     "DatabaseNow",
@@ -60,6 +62,9 @@ __all__ = [
 ]
 
 Fence = tuple[int, str]  # (job id, claim token)
+#: What a dead-lettered job carries over from its row (its unique key for the record only: it holds nothing there).
+DEAD_COLUMNS = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at",
+                "unique_key")
 
 
 @dataclass(slots=True)  # not frozen: frozen dataclasses are several times slower to build
@@ -113,7 +118,7 @@ class Listener(Protocol):
     def stop(self) -> None: ...
 
 
-class Driver(Setup, Operations):
+class Driver(Setup, Operations, Uniqueness):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
@@ -205,9 +210,14 @@ class Driver(Setup, Operations):
         """
         for table in (self.jobs, self.dead):
             table.create(conn, checkfirst=True)
-            for index in table.indexes:
-                if self.applies(index):
-                    conn.execute(CreateIndex(index, if_not_exists=True))
+            for index in self.creatable_indexes(conn, table):
+                conn.execute(CreateIndex(index, if_not_exists=True))
+
+    def creatable_indexes(self, conn: Connection, table: Table) -> list[Any]:
+        """The table's indexes for this backend whose columns exist: an index over a column a newer
+        sqla-jobs added waits for the migration that adds the column (``check_schema`` asks for it)."""
+        have = {c["name"] for c in inspect(conn).get_columns(table.name, schema=table.schema)}
+        return [ix for ix in table.indexes if self.applies(ix) and {c.name for c in ix.columns} <= have]
 
     def has_notify_trigger(self, conn: Connection) -> bool:
         """Whether inserts into the jobs table wake workers (False where workers always poll)."""
@@ -387,10 +397,9 @@ class Driver(Setup, Operations):
         if older is not None:
             note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
             errors.insert(0, {"attempt": None, "at": utcnow(), "error": truncate(note)})
-        columns = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at")
         conn.execute(
             insert(d).values(
-                **{c: getattr(row, c) for c in columns}, last_error=message, errors=errors, failed_at=self.now()
+                **{c: getattr(row, c) for c in DEAD_COLUMNS}, last_error=message, errors=errors, failed_at=self.now()
             )
         )
         return True

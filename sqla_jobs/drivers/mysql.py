@@ -32,7 +32,7 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     Connection,
@@ -60,7 +60,7 @@ from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._operations import truncate, utcnow
-from .base import Claimed, DatabaseNow, Driver, Fence, IndexDefinition, run_times_in_python
+from .base import DEAD_COLUMNS, Claimed, DatabaseNow, Driver, Fence, IndexDefinition, run_times_in_python
 
 __all__ = ["MySQLDriver"]
 
@@ -214,8 +214,8 @@ class MySQLDriver(Driver):
         for table in (self.jobs, self.dead):
             table.create(conn, checkfirst=True)
             have = self._index_names_of(conn, table)
-            for index in table.indexes:
-                if self.applies(index) and index.name not in have:
+            for index in self.creatable_indexes(conn, table):
+                if index.name not in have:
                     conn.execute(CreateIndex(index))
 
     @staticmethod
@@ -247,6 +247,8 @@ class MySQLDriver(Driver):
 
     def skip_locked(self, stmt: Select[Any]) -> Select[Any]:
         return stmt.with_for_update(skip_locked=True)
+
+    holder_lock: ClassVar[dict[str, Any] | None] = {"read": True}  # a locking read sees the latest commit
 
     def _lock_fenced(self, conn: Connection, fences: Sequence[Fence]) -> list[Any]:
         """Lock the rows still held under ``fences`` (there is no UPDATE … RETURNING to tell us)."""
@@ -345,10 +347,9 @@ class MySQLDriver(Driver):
             conn.execute(delete(d).where(d.c.id == row.id))
             note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
             errors.insert(0, {"attempt": None, "at": utcnow(), "error": truncate(note)})
-        columns = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at")
         conn.execute(
             insert(d).values(
-                **{c: getattr(row, c) for c in columns}, last_error=message, errors=errors, failed_at=self.now()
+                **{c: getattr(row, c) for c in DEAD_COLUMNS}, last_error=message, errors=errors, failed_at=self.now()
             )
         )
         return True

@@ -24,11 +24,14 @@ from typing import Any
 
 from sqlalchemy import (
     DDL,
+    Computed,
     Connection,
     Engine,
     Interval,
     Select,
     Table,
+    Text,
+    cast,
     create_engine,
     event,
     func,
@@ -38,13 +41,17 @@ from sqlalchemy import (
     text,
 )
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateSchema
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import ConfigError
 from . import pg_keepalive
+from ._setup import GeneratedColumn
+from ._unique import on_conflict_insert
 from .base import Claimed, Driver, Fence, IndexDefinition
 from .pg_listen import PgListener
 
@@ -98,6 +105,12 @@ UNION ALL
 SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
 WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
+
+
+@compiles(GeneratedColumn, "postgresql")
+def _stored(element: GeneratedColumn, compiler: Any, **kw: Any) -> str:
+    # Stored on every version: PostgreSQL 18 would make it VIRTUAL, which no index can cover.
+    return str(compiler.visit_computed_column(Computed(element.sqltext, persisted=True), **kw))
 
 
 def _pg_name(table: Table) -> str:
@@ -387,6 +400,12 @@ class PostgreSQLDriver(Driver):
             with cursor.copy(f"COPY {target} ({', '.join(columns)}) FROM STDIN") as copy:
                 for r in batch:
                     copy.write_row([r[c] for c in columns])
+
+    def payload_value(self, text: str) -> ColumnElement[Any]:
+        return cast(literal(text, Text()), JSONB())
+
+    def insert_unique(self, conn: Connection, row: dict[str, Any]) -> int | None:
+        return on_conflict_insert(self, conn, row, postgresql.insert)
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("COALESCE(errors, '[]'::jsonb) || jsonb_build_array(CAST(:entry AS jsonb))").bindparams(

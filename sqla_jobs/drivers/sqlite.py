@@ -24,9 +24,11 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Connection, DateTime, Engine, Table, func, select, text, type_coerce, update
+from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL
 from sqlalchemy.sql.elements import ColumnElement
 
+from ._unique import on_conflict_insert
 from .base import Claimed, Driver, IndexDefinition, run_times_in_python
 
 __all__ = ["SQLiteDriver"]
@@ -193,6 +195,10 @@ class SQLiteDriver(Driver):
         claimed = [Claimed(r.id, r.kind, r.queue, r.payload, r.attempts, r.max_attempts, r.priority, token,
                            bool(r.isolate)) for r in rows]
         return claimed, waiting
+
+    def insert_unique(self, conn: Connection, row: dict[str, Any]) -> int | None:
+        # Writers take turns on SQLite, so the conflict is always with a committed holder.
+        return on_conflict_insert(self, conn, row, sqlite.insert)
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("json_insert(COALESCE(errors, '[]'), '$[#]', json(:entry))").bindparams(entry=json.dumps(entry))
