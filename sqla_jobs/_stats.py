@@ -197,8 +197,8 @@ def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
         ))
     if s.retrying:
         tables.append((
-            "Waiting for a retry by kind (failed at least once)",
-            ["kind", "jobs"],
+            "Retrying by kind",
+            ["kind", "failed, waiting for a retry"],
             [[kind, str(n)] for kind, n in sorted(s.retrying.items())],
         ))
     if s.dead:

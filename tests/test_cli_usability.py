@@ -253,7 +253,9 @@ def test_log_duration_is_the_handler_and_stats_counts_from_claim_to_finish(db: D
     assert worker.returncode == 0, worker.stderr
     logged = [float(ms) for ms in
               re.findall(r"job \d+ sleep attempt 1/5 \((\d+\.\d) ms\): finished", worker.stderr)]
-    assert len(logged) == 2 and min(logged) < 100 <= 300 <= max(logged) < 2000, logged
+    # The handler's own time: the 0.3 s sleep logs at least 300 ms, and clearly more than the no-op
+    # (no bound on the no-op itself: a loaded machine may take a while to schedule any thread).
+    assert len(logged) == 2 and 300 <= max(logged) and min(logged) < max(logged) - 150, logged
     stats = run_cli("stats", "--json", *APP, env=db.env())
     (sleep,) = [r for r in json.loads(stats.stdout)["run_times"] if r["kind"] == "sleep"]
     assert sleep["max"] * 1000 >= max(logged)  # claim to finish holds the handler's time

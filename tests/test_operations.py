@@ -145,7 +145,7 @@ def test_jobs_list_filters_and_show(db: Database) -> None:
     result = run_cli("jobs", "list", *APP, "--json", env=db.env())
     assert result.returncode == 0, result.stderr
     rows = json.loads(result.stdout)
-    assert len(rows) == 17 and rows[0]["id"] == mail  # newest first
+    assert len(rows) == 18 and rows[0]["id"] == mail  # newest first
 
     result = run_cli("jobs", "list", *APP, "--state", "running", "--json", env=db.env())
     assert sorted(r["state"] for r in json.loads(result.stdout)) == ["running", "running"]
@@ -276,13 +276,14 @@ def test_stats_cli_table_and_json(db: Database) -> None:
     result = run_cli("stats", *APP, env=db.env())
     assert result.returncode == 0, result.stderr
     for needle in ("Queue health", "oldest pending age", "10m", "Run time by kind", "8.8s", "Dead letters by kind",
-                   "By queue", "mail"):
+                   "By queue", "mail", "waiting for a retry", "Retrying by kind"):
         assert needle in result.stdout, needle
     data = json.loads(run_cli("stats", *APP, "--json", "--window", "3h", env=db.env()).stdout)
-    assert (data["ready"], data["scheduled"], data["running"], data["dead_total"]) == (4, 2, 2, 3)
+    assert (data["ready"], data["scheduled"], data["running"], data["dead_total"]) == (4, 3, 2, 3)
     assert 600 <= data["oldest_pending_age"] < 630
     assert {r["kind"]: r["count"] for r in data["run_times"]} == {"a": 6, "b": 1}
     assert data["window"] == 10800
+    assert data["retrying"] == {"noop": 1, "a": 1} and data["retrying_total"] == 2
 
 
 def test_stats_watch_refreshes(db: Database) -> None:
