@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from . import _periodic
@@ -57,14 +58,22 @@ class Admin(Generic[J]):
         Existing tables are not altered otherwise: a column added by a newer
         sqla-jobs needs a migration (see docs/howto/migrations.md).
         """
+        _not_async(engine, "create_tables")
         with engine.begin() as conn:
-            self.driver(conn).create(conn)
+            self._create_tables_on(conn)
         self.driver(engine).prepare(engine)
+
+    def _create_tables_on(self, conn: Connection) -> None:
+        self.driver(conn).create(conn)
 
     def check_schema(self, engine: Engine) -> None:
         """Raise ``SchemaError`` saying what to run when the tables are missing or out of date."""
+        _not_async(engine, "check_schema")
         with engine.connect() as conn:
-            self.driver(conn).check_schema(conn)
+            self._check_schema_on(conn)
+
+    def _check_schema_on(self, conn: Connection) -> None:
+        self.driver(conn).check_schema(conn)
 
     # -- enqueue, in the caller's transaction ----------------------------------------
 
@@ -75,6 +84,7 @@ class Admin(Generic[J]):
         the one that holds the key; a duplicate never fails the transaction.
         """
         if fields.get("unique_key") is not None:
+            _not_async(session, "enqueue")
             return self.enqueue_unique(session, kind, payload, **fields).job
         job = self.job_model(kind=kind, payload={} if payload is None else payload, **fields)
         session.add(job)
@@ -102,6 +112,7 @@ class Admin(Generic[J]):
         decides, so concurrent callers in any number of processes get exactly
         one row. See docs/howto/unique-jobs.md.
         """
+        _not_async(session, "enqueue_unique")
         check_key(unique_key)  # a bad key fails here, whichever path it takes
         if unique_period is not None:
             unique_key = period_key(unique_key, unique_period)
@@ -143,6 +154,7 @@ class Admin(Generic[J]):
         held (by an existing job or an earlier item) is skipped, and the
         count leaves it out.
         """
+        _not_async(session, "enqueue_many")
         rows = [self._checked_row(item) for item in jobs]
         session.flush()  # keep the order of jobs added earlier in this session
         conn = session.connection()
@@ -159,6 +171,7 @@ class Admin(Generic[J]):
         ``now`` (aware) stands in for the clock, e.g. in tests. One short
         transaction per schedule, committed here.
         """
+        _not_async(engine, "enqueue_periodic")
         return _periodic.enqueue_due(self, engine, now)  # type: ignore[arg-type]
 
     # -- reads -------------------------------------------------------------------
@@ -172,11 +185,13 @@ class Admin(Generic[J]):
 
     def get_job(self, session: Session, job_id: int) -> Any:
         """The job's row (all columns), or None. Reads the table, not the session's identity map."""
+        _not_async(session, "get_job")
         conn = session.connection()
         return self.driver(conn).get_job(conn, job_id)
 
     def get_dead(self, session: Session, job_id: int) -> Any:
         """The dead job's row (all columns), or None."""
+        _not_async(session, "get_dead")
         conn = session.connection()
         return self.driver(conn).get_dead(conn, job_id)
 
@@ -193,6 +208,7 @@ class Admin(Generic[J]):
         """Jobs newest first, filtered by kind / state / queue name / unique key (its periods included)."""
         if state is not None and state not in STATES:
             raise ConfigError(f"unknown state {state!r}; choose from {', '.join(STATES)}")
+        _not_async(session, "list_jobs")
         conn = session.connection()
         return self.driver(conn).list_jobs(conn, kind=kind, state=state, queue=queue, unique_key=unique_key,
                                            limit=limit)
@@ -201,6 +217,7 @@ class Admin(Generic[J]):
         self, session: Session, *, kind: str | None = None, since: float | None = None, limit: int = 50
     ) -> list[Any]:
         """Dead jobs, latest failure first; ``since``: only those that failed within that many seconds."""
+        _not_async(session, "list_dead")
         conn = session.connection()
         return self.driver(conn).list_dead(conn, kind=kind, since=since, limit=limit)
 
@@ -218,6 +235,7 @@ class Admin(Generic[J]):
         ``cancelled_at`` as the record that the request came too late.
         Raises NotFound, or JobStateError for a finished or cancelled job.
         """
+        _not_async(session, "cancel")
         conn = session.connection()
         changed, state = self.driver(conn).cancel(conn, job_id)
         if state is None:
@@ -228,6 +246,7 @@ class Admin(Generic[J]):
 
     def retry_now(self, session: Session, job_id: int) -> None:
         """Make a pending job (a retry in backoff, a delayed job) due now, in the caller's transaction."""
+        _not_async(session, "retry_now")
         conn = session.connection()
         result = self.driver(conn).retry_now(conn, job_id)
         if result is None:
@@ -246,6 +265,7 @@ class Admin(Generic[J]):
         """
         if ids is None and kind is None and not everything:
             raise ConfigError("requeue_dead needs ids=, kind= or everything=True")
+        _not_async(session, "requeue_dead")
         conn = session.connection()
         moved = self.driver(conn).requeue_dead(conn, ids=ids, kind=kind)
         if ids is not None:
@@ -258,6 +278,7 @@ class Admin(Generic[J]):
         """Delete dead jobs that failed more than ``older_than`` seconds ago; returns how many."""
         if older_than < 0:
             raise ConfigError("older_than must be >= 0 seconds")
+        _not_async(session, "purge_dead")
         conn = session.connection()
         return self.driver(conn).purge_dead(conn, older_than, kind)
 
@@ -272,6 +293,7 @@ class Admin(Generic[J]):
         On PostgreSQL, when another process is pruning the same table it
         returns at once (each batch takes a try-advisory lock).
         """
+        _not_async(engine, "prune")
         if older_than < 0 or batch_size < 1:
             raise ConfigError("prune needs older_than >= 0 seconds and batch_size >= 1")
         driver = self.driver(engine)
@@ -311,4 +333,21 @@ def _connection(bind: Session | Engine | Connection) -> Iterator[Connection]:
         with bind.connect() as conn:
             yield conn
     else:
+        _not_async(bind, "stats")
         raise ConfigError(f"expected a Session, Engine or Connection, got {type(bind).__name__}")
+
+
+def _not_async(bind: object, name: str) -> None:
+    """A clear error, instead of an un-awaited coroutine, for an asyncio object given to a sync method."""
+    if isinstance(bind, (AsyncSession, AsyncConnection)) or (
+        isinstance(bind, AsyncEngine) and name in _AIO_ENGINE_METHODS
+    ):
+        raise ConfigError(f"queue.{name} was given an {type(bind).__name__}: call "
+                          f"`await queue.aio.{name}(...)` instead (see docs/howto/asyncio.md)")
+    if isinstance(bind, AsyncEngine):
+        raise ConfigError(f"queue.{name} has no asyncio form: give it a sync Engine on the same database "
+                          "(create_engine with the same URL; see docs/howto/asyncio.md)")
+
+
+# The engine methods queue.aio (sqla_jobs._aio) has; the others take a sync Engine only.
+_AIO_ENGINE_METHODS = ("create_tables", "check_schema", "stats")

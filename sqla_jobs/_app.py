@@ -23,7 +23,8 @@ docs/glossary.md): a *queue* is the named lane a job is in.
 The class is two halves with one job each: ``_registry.Registry`` (handlers,
 hooks, retry policy, the enqueue-time ``check_job``; no database) and
 ``_admin.Admin`` (enqueue_many, stats, cancel, requeue_dead, prune, ...; each
-a call to the driver). This module joins them and owns what both need: the
+a call to the driver), whose async forms ``queue.aio`` (``_aio.AsyncAdmin``) runs
+on an ``AsyncSession``. This module joins them and owns what both need: the
 two models and the driver per database.
 
 While an app with handlers exists for a model, adding a ``Job`` whose kind
@@ -41,6 +42,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 
 from ._admin import Admin
+from ._aio import AsyncAdmin
 from ._backoff import Backoff
 from ._models import DeadJobMixin, JobMixin, add_enqueue_check
 from ._registry import EVENTS, Handler, JobEvent, Registry
@@ -72,10 +74,20 @@ class JobQueue(Registry, Admin[J], Generic[J, D]):
         self.job_model = job_model
         self.dead_model = dead_model
         self._drivers: dict[type[Any], Driver] = {}
+        self._aio: AsyncAdmin[J] = AsyncAdmin(self)
         add_enqueue_check(job_model, self.check_job)
 
     def __repr__(self) -> str:
         return f"<JobQueue {self.job_model.__name__}/{self.dead_model.__name__} kinds={sorted(self.handlers)}>"
+
+    @property
+    def aio(self) -> AsyncAdmin[J]:
+        """The operations for asyncio apps: ``await queue.aio.enqueue_many(async_session, ...)`` and the rest.
+
+        Same methods, results and errors as the sync ones, on an ``AsyncSession``
+        (``sqla-jobs[asyncio]``; see docs/howto/asyncio.md).
+        """
+        return self._aio
 
     def driver(self, bind: Engine | Connection) -> Driver:
         """The database driver for this app's tables on ``bind``'s database (internal: see sqla_jobs.drivers)."""

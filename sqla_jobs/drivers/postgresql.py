@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
+import psycopg
 from sqlalchemy import (
     DDL,
     Computed,
@@ -47,6 +48,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.schema import CreateSchema
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.util import await_only
 
 from ..errors import ConfigError
 from . import pg_keepalive
@@ -395,11 +397,18 @@ class PostgreSQLDriver(Driver):
         if not conn.in_transaction():
             # SQLAlchemy does not see what the driver cursor runs: without this its commit would be a no-op.
             conn.begin()
+        raw = conn.connection.driver_connection
         for columns, batch in self._insert_batches(rows):
-            cursor = conn.connection.driver_connection.cursor()  # type: ignore[union-attr]
-            with cursor.copy(f"COPY {target} ({', '.join(columns)}) FROM STDIN") as copy:
-                for r in batch:
-                    copy.write_row([r[c] for c in columns])
+            sql = f"COPY {target} ({', '.join(columns)}) FROM STDIN"
+            values = [[r[c] for c in columns] for r in batch]
+            if isinstance(raw, psycopg.AsyncConnection):
+                # An AsyncSession's run_sync (sqla_jobs._aio) brings us here inside SQLAlchemy's
+                # greenlet: the same COPY, awaited on psycopg's async connection.
+                await_only(_copy_async(raw, sql, values))
+                continue
+            with raw.cursor().copy(sql) as copy:  # type: ignore[union-attr]
+                for value in values:
+                    copy.write_row(value)
 
     def payload_value(self, text: str) -> ColumnElement[Any]:
         return cast(literal(text, Text()), JSONB())
@@ -436,3 +445,10 @@ class PostgreSQLDriver(Driver):
             .order_by(t.c.kind)
         )
         return [(r.kind, r.count, float(r.mean), float(r.p50), float(r.p95), float(r.max)) for r in conn.execute(stmt)]
+
+
+async def _copy_async(raw: psycopg.AsyncConnection[Any], sql: str, values: list[list[Any]]) -> None:
+    """``COPY ... FROM STDIN`` through psycopg's async connection (``postgresql+psycopg`` under asyncio)."""
+    async with raw.cursor() as cursor, cursor.copy(sql) as copy:
+        for value in values:
+            await copy.write_row(value)
