@@ -4,6 +4,7 @@ Jobs are rows in your own tables, enqueued in your own transactions and run
 by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 """
 
+from ._aio import AsyncAdmin
 from ._app import JobEvent, JobQueue
 from ._backoff import Backoff
 from ._context import JobContext, current_job
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_ERROR_LENGTH",
     "MAX_PAYLOAD_BYTES",
     "MAX_PAYLOAD_DEPTH",
+    "AsyncAdmin",
     "Backoff",
     "ConfigError",
     "ConnectionProblem",

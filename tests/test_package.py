@@ -14,6 +14,7 @@ PUBLIC = [
     "MAX_ERROR_LENGTH",
     "MAX_PAYLOAD_BYTES",
     "MAX_PAYLOAD_DEPTH",
+    "AsyncAdmin",
     "Backoff",
     "ConfigError",
     "ConnectionProblem",
@@ -48,9 +49,9 @@ def test_public_names_are_pinned() -> None:
 #: What the app object offers. The split into a registry half and an operations half
 #: (sqla_jobs/_registry.py, sqla_jobs/_admin.py) must not change it.
 APP_METHODS = [
-    "cancel", "check_job", "check_schema", "create_tables", "dashboard", "driver", "emit", "enqueue", "enqueue_many",
-    "enqueue_periodic", "enqueue_unique", "get_dead", "get_job", "handler", "list_dead", "list_jobs", "listens", "off",
-    "on", "periodic", "prune", "purge_dead", "requeue_dead", "retry_delay", "retry_now", "stats",
+    "aio", "cancel", "check_job", "check_schema", "create_tables", "dashboard", "driver", "emit", "enqueue",
+    "enqueue_many", "enqueue_periodic", "enqueue_unique", "get_dead", "get_job", "handler", "list_dead", "list_jobs",
+    "listens", "off", "on", "periodic", "prune", "purge_dead", "requeue_dead", "retry_delay", "retry_now", "stats",
     "unknown_kind_message",
 ]
 
