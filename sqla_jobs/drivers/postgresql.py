@@ -400,15 +400,13 @@ class PostgreSQLDriver(Driver):
         raw = conn.connection.driver_connection
         for columns, batch in self._insert_batches(rows):
             sql = f"COPY {target} ({', '.join(columns)}) FROM STDIN"
-            values = [[r[c] for c in columns] for r in batch]
-            if isinstance(raw, psycopg.AsyncConnection):
-                # An AsyncSession's run_sync (sqla_jobs._aio) brings us here inside SQLAlchemy's
-                # greenlet: the same COPY, awaited on psycopg's async connection.
+            values = ([r[c] for c in columns] for r in batch)
+            if isinstance(raw, psycopg.AsyncConnection):  # queue.aio: we run in run_sync's greenlet, so await
                 await_only(_copy_async(raw, sql, values))
-                continue
-            with raw.cursor().copy(sql) as copy:  # type: ignore[union-attr]
-                for value in values:
-                    copy.write_row(value)
+            else:
+                with raw.cursor().copy(sql) as copy:  # type: ignore[union-attr]
+                    for value in values:
+                        copy.write_row(value)
 
     def payload_value(self, text: str) -> ColumnElement[Any]:
         return cast(literal(text, Text()), JSONB())
@@ -447,7 +445,7 @@ class PostgreSQLDriver(Driver):
         return [(r.kind, r.count, float(r.mean), float(r.p50), float(r.p95), float(r.max)) for r in conn.execute(stmt)]
 
 
-async def _copy_async(raw: psycopg.AsyncConnection[Any], sql: str, values: list[list[Any]]) -> None:
+async def _copy_async(raw: psycopg.AsyncConnection[Any], sql: str, values: Iterator[list[Any]]) -> None:
     """``COPY ... FROM STDIN`` through psycopg's async connection (``postgresql+psycopg`` under asyncio)."""
     async with raw.cursor() as cursor, cursor.copy(sql) as copy:
         for value in values:
