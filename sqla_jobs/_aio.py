@@ -21,11 +21,12 @@ See docs/howto/asyncio.md.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+from sqlalchemy.orm import Session
 
 from ._models import JobMixin
 from ._stats import QueueStats
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = ["AsyncAdmin"]
 
 J = TypeVar("J", bound=JobMixin)
+R = TypeVar("R")
 
 
 class AsyncAdmin(Generic[J]):
@@ -158,10 +160,11 @@ class AsyncAdmin(Generic[J]):
             await conn.run_sync(self._admin._check_schema_on)
 
 
-async def _run(session: AsyncSession, name: str, call: Any) -> Any:
+async def _run(session: AsyncSession, name: str, call: Callable[[Session], R]) -> R:
     if not isinstance(session, AsyncSession):
-        raise ConfigError(f"queue.aio.{name} takes an AsyncSession, got {type(session).__name__}: "
-                          f"with a Session call queue.{name}(session, ...) instead")
+        hint = (f"with a Session call queue.{name}(session, ...) instead" if isinstance(session, Session)
+                else "open one with AsyncSession(async_engine) or an async_sessionmaker")
+        raise ConfigError(f"queue.aio.{name} takes an AsyncSession, got {type(session).__name__}: {hint}")
     return await session.run_sync(call)
 
 

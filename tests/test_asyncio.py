@@ -206,6 +206,9 @@ def test_sync_calls_given_async_objects_say_what_to_await_instead(db: Database) 
                 await queue.aio.cancel(sync_session, 1)  # type: ignore[arg-type]
             with pytest.raises(ConfigError, match=r"queue\.aio\.check_schema takes an AsyncEngine, got Engine"):
                 await queue.aio.check_schema(db.engine)  # type: ignore[arg-type]
+        async with engine.connect() as conn:
+            with pytest.raises(ConfigError, match=r"takes an AsyncSession, got AsyncConnection: open one with"):
+                await queue.aio.get_job(conn, 1)  # type: ignore[arg-type]
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
