@@ -11,6 +11,7 @@ take an ``Engine`` and commit their own transactions.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -19,7 +20,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from . import _periodic
@@ -339,12 +339,17 @@ def _connection(bind: Session | Engine | Connection) -> Iterator[Connection]:
 
 def _not_async(bind: object, name: str) -> None:
     """A clear error, instead of an un-awaited coroutine, for an asyncio object given to a sync method."""
-    if isinstance(bind, (AsyncSession, AsyncConnection)) or (
-        isinstance(bind, AsyncEngine) and name in _AIO_ENGINE_METHODS
+    # Whoever made an AsyncSession imported SQLAlchemy's asyncio module; importing it here would need
+    # greenlet (the asyncio extra) in every app.
+    aio = sys.modules.get("sqlalchemy.ext.asyncio")
+    if aio is None:
+        return
+    if isinstance(bind, (aio.AsyncSession, aio.AsyncConnection)) or (
+        isinstance(bind, aio.AsyncEngine) and name in _AIO_ENGINE_METHODS
     ):
         raise ConfigError(f"queue.{name} was given an {type(bind).__name__}: call "
                           f"`await queue.aio.{name}(...)` instead (see docs/howto/asyncio.md)")
-    if isinstance(bind, AsyncEngine):
+    if isinstance(bind, aio.AsyncEngine):
         raise ConfigError(f"queue.{name} has no asyncio form: give it a sync Engine on the same database "
                           "(create_engine with the same URL; see docs/howto/asyncio.md)")
 

@@ -25,7 +25,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from ._models import JobMixin
@@ -34,6 +33,10 @@ from ._unique import Enqueued
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    # Imported when used, not here: SQLAlchemy's asyncio module needs greenlet (the asyncio extra),
+    # and an app that never touches queue.aio must import sqla_jobs without it.
+    from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+
     from ._admin import Admin
 
 __all__ = ["AsyncAdmin"]
@@ -91,6 +94,7 @@ class AsyncAdmin(Generic[J]):
     ) -> QueueStats:
         """``queue.stats`` on an ``AsyncSession``, ``AsyncConnection`` or ``AsyncEngine``."""
         call = partial(self._admin.stats, window=window, run_times=run_times)
+        AsyncConnection, AsyncEngine, _ = _asyncio_classes()  # noqa: N806
         if isinstance(bind, AsyncEngine):
             async with bind.connect() as conn:
                 return await conn.run_sync(call)
@@ -160,8 +164,16 @@ class AsyncAdmin(Generic[J]):
             await conn.run_sync(self._admin._check_schema_on)
 
 
+def _asyncio_classes() -> tuple[type[AsyncConnection], type[AsyncEngine], type[AsyncSession]]:
+    try:
+        from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession
+    except ImportError as exc:  # greenlet missing
+        raise ConfigError(f"queue.aio needs SQLAlchemy's asyncio support: pip install 'sqla-jobs[asyncio]' ({exc})")
+    return AsyncConnection, AsyncEngine, AsyncSession
+
+
 async def _run(session: AsyncSession, name: str, call: Callable[[Session], R]) -> R:
-    if not isinstance(session, AsyncSession):
+    if not isinstance(session, _asyncio_classes()[2]):
         hint = (f"with a Session call queue.{name}(session, ...) instead" if isinstance(session, Session)
                 else "open one with AsyncSession(async_engine) or an async_sessionmaker")
         raise ConfigError(f"queue.aio.{name} takes an AsyncSession, got {type(session).__name__}: {hint}")
@@ -169,7 +181,7 @@ async def _run(session: AsyncSession, name: str, call: Callable[[Session], R]) -
 
 
 def _engine(engine: AsyncEngine, name: str) -> AsyncEngine:
-    if not isinstance(engine, AsyncEngine):
+    if not isinstance(engine, _asyncio_classes()[1]):
         raise ConfigError(f"queue.aio.{name} takes an AsyncEngine, got {type(engine).__name__}: "
                           f"with an Engine call queue.{name}(engine) instead")
     return engine

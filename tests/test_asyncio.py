@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import warnings
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
@@ -273,3 +275,30 @@ def test_any_list_of_jobs_enqueued_async_reads_back_as_through_the_sync_path(
 
     assert run(db, scenario) == sync_count == len(through_sync)
     assert stored(db) == through_sync
+
+
+# -- without the asyncio extra -----------------------------------------------------------------------------
+
+WITHOUT_GREENLET = """
+import asyncio, os, sys
+sys.modules["greenlet"] = None  # as if the asyncio extra were not installed
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+from sqla_jobs import ConfigError
+from tests.app import queue
+engine = create_engine(os.environ["SQLA_JOBS_URL"])
+with Session(engine) as session, session.begin():
+    assert queue.enqueue_many(session, [{"kind": "noop"}]) == 1
+try:
+    asyncio.run(queue.aio.enqueue_many(None, []))
+except ConfigError as exc:
+    print(exc)
+"""
+
+
+def test_apps_without_the_asyncio_extra_import_and_enqueue_and_queue_aio_says_what_to_install(db: Database) -> None:
+    result = subprocess.run([sys.executable, "-c", WITHOUT_GREENLET], env=db.env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "queue.aio needs SQLAlchemy's asyncio support: pip install 'sqla-jobs[asyncio]'" in result.stdout
+    assert len(payloads(db)) == 1
