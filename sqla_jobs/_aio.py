@@ -94,11 +94,11 @@ class AsyncAdmin(Generic[J]):
     ) -> QueueStats:
         """``queue.stats`` on an ``AsyncSession``, ``AsyncConnection`` or ``AsyncEngine``."""
         call = partial(self._admin.stats, window=window, run_times=run_times)
-        AsyncConnection, AsyncEngine, _ = _asyncio_classes()  # noqa: N806
-        if isinstance(bind, AsyncEngine):
+        connection_class, engine_class, _ = _asyncio_classes()
+        if isinstance(bind, engine_class):
             async with bind.connect() as conn:
                 return await conn.run_sync(call)
-        if isinstance(bind, AsyncConnection):
+        if isinstance(bind, connection_class):
             return await bind.run_sync(call)
         return await _run(bind, "stats", call)
 
