@@ -64,6 +64,9 @@ def _pairs(values: list[str], option: str, example: str) -> dict[str, list[str]]
 def target_from(args: argparse.Namespace) -> Any:
     from .relay import NatsTarget, RabbitMQTarget
 
+    if not (args.rabbitmq or args.nats):
+        raise ConfigError("sqla-jobs relay needs a broker: --rabbitmq URL (or SQLA_JOBS_RABBITMQ_URL) "
+                          "or --nats URL (or SQLA_JOBS_NATS_URL)")
     routes = _pairs(args.route, "--route", "KIND=DEST, e.g. --route order.created=orders.created")
     twice = sorted(kind for kind, dests in routes.items() if len(dests) > 1)
     if twice:
@@ -77,12 +80,9 @@ def target_from(args: argparse.Namespace) -> Any:
         bindings = _pairs(args.bind, "--bind", "QUEUE=PATTERN, e.g. --bind orders=orders.#")
         return RabbitMQTarget(args.rabbitmq, routes=single, exchange=args.exchange,
                               exchange_type=args.exchange_type, bindings=bindings)
-    if args.nats:
-        if args.bind:
-            raise ConfigError("--bind is for --rabbitmq; with --nats use --stream and --stream-subject")
-        return NatsTarget(args.nats, routes=single, stream=args.stream, subjects=args.stream_subject)
-    raise ConfigError("sqla-jobs relay needs a broker: --rabbitmq URL (or SQLA_JOBS_RABBITMQ_URL) "
-                      "or --nats URL (or SQLA_JOBS_NATS_URL)")
+    if args.bind:
+        raise ConfigError("--bind is for --rabbitmq; with --nats use --stream and --stream-subject")
+    return NatsTarget(args.nats, routes=single, stream=args.stream, subjects=args.stream_subject)
 
 
 def cmd_relay(args: argparse.Namespace) -> int:

@@ -138,6 +138,7 @@ class Relay:
     async def run_async(self, *, until_idle: bool = False) -> RelayCounts:
         log.info("relay %s: queues %s -> %s", self.name, ", ".join(self.queues), self.target.describe())
         failures = 0  # broker connection failures in a row
+        self._connected = False
         try:
             while not self._stop.is_set():
                 if not self._connected:
@@ -251,7 +252,7 @@ class Relay:
                 else:
                     delay = self.app.retry_delay(job.kind, job.attempt)
                     self.sql.release(conn, job.fence, delay=delay, error=error, attempt=job.attempt)
-                    log.warning("job %d %s: %s; retry in %.0fs", job.id, job.kind, error, delay)
+                    log.warning("job %d %s: %s; retry in %.1fs", job.id, job.kind, error, delay)
 
     def _interrupted(self, jobs: list[Claimed], why: str) -> None:
         """The broker went away mid-batch: every job of it goes back, the attempt refunded (bounded)."""

@@ -112,10 +112,12 @@ class NatsTarget:
         for message, result in zip(messages, results, strict=True):
             if not isinstance(result, BaseException):
                 outcome[message.job.id] = None
-            elif isinstance(result, nats.errors.NoRespondersError):
+            elif isinstance(result, (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)):
                 outcome[message.job.id] = (f"no JetStream stream stores subject {self.route(message.job.kind)!r}: "
                                            "add it to a stream's subjects")
-            elif isinstance(result, nats.js.errors.APIError):
+            elif isinstance(result, nats.js.errors.APIError) and not isinstance(
+                result, (nats.js.errors.ServiceUnavailableError, nats.js.errors.ServerError)
+            ):
                 outcome[message.job.id] = f"JetStream refused the message: {result!r}"
             else:
                 raise BrokerUnavailable(f"NATS publish failed: {result!r}") from result
