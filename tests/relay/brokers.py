@@ -9,6 +9,7 @@ declares its own exchange and queue, or its own stream, and deletes them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -171,9 +172,7 @@ async def _delete_nats(space: BrokerSpace) -> None:
 
     nc = await nats.connect(space.url)
     try:
-        try:
+        with contextlib.suppress(nats.js.errors.NotFoundError):
             await nc.jetstream().delete_stream(space.name)
-        except nats.js.errors.NotFoundError:
-            pass
     finally:
         await nc.close()

@@ -85,7 +85,6 @@ def test_a_job_the_broker_cannot_take_fails_like_a_handler_and_ends_dead(
     relay = Relay(relay_db.engine, queue, space.target(routes))
     relay.run(until_idle=True)  # first attempt fails, the retry waits 0.2 s (the app's backoff)
     assert states(relay_db) == {"finished": 1, "pending": 1}
-    import time
 
     time.sleep(0.5)
     relay.run(until_idle=True)
