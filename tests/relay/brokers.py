@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import uuid
@@ -100,11 +101,22 @@ class BrokerSpace:
     def delete(self) -> None:
         asyncio.run(_delete_rabbitmq(self) if self.broker == "rabbitmq" else _delete_nats(self))
 
-    def cut_connections(self, proxy: Any = None) -> None:
-        """Cut the relay's broker connection: RabbitMQ closes it from the server side; NATS through ``proxy``."""
+    def cut_connections(self, proxy: Any = None, pid: int | None = None) -> None:
+        """Cut the relay's broker connection: RabbitMQ closes it from the server side; NATS through ``proxy``.
+
+        ``rabbitmqctl`` takes seconds to start, long enough for a fast relay to finish its work first;
+        the relay process ``pid`` is paused meanwhile (SIGSTOP/SIGCONT: a slow process, not a dead
+        one), so the cut lands while it still has jobs to publish.
+        """
         if self.broker == "rabbitmq":
-            subprocess.run(["rabbitmqctl", "close_all_connections", "relay test cuts the connection"],
-                           check=True, capture_output=True, timeout=60)
+            if pid is not None:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                subprocess.run(["rabbitmqctl", "close_all_connections", "relay test cuts the connection"],
+                               check=True, capture_output=True, timeout=60)
+            finally:
+                if pid is not None:
+                    os.kill(pid, signal.SIGCONT)
         else:
             assert proxy is not None, "NATS connections are cut through a TcpProxy"
             proxy.cut()
