@@ -47,6 +47,8 @@ def add_relay_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]
     p.add_argument("--confirm-timeout", type=float, default=15.0,
                    help="seconds to wait for the broker's acks before the batch counts as not delivered")
     p.add_argument("--name", default="relay", help="this relay's name in locked_by and the logs")
+    p.add_argument("--no-listen", action="store_true",
+                   help="PostgreSQL: do not LISTEN for new jobs, only poll (for PgBouncer in transaction mode)")
     p.add_argument("--until-idle", action="store_true", help="exit once no job of the queues is due")
     p.set_defaults(func=cmd_relay)
 
@@ -93,7 +95,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
     engine = make_engine(args.url, pool_size=2)
     app.check_schema(engine)
     relay = Relay(engine, app, target, queues=args.queues or ["relay"], batch=args.batch, lease=args.lease,
-                  confirm_timeout=args.confirm_timeout, name=args.name)
+                  confirm_timeout=args.confirm_timeout, name=args.name, listen=not args.no_listen)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: relay.stop())
     try:

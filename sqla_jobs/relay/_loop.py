@@ -78,7 +78,8 @@ class Relay:
     claim is held before another relay may take it over (a dead relay's jobs
     wait this long). ``confirm_timeout``: how long to wait for the broker's
     acknowledgements before the batch is taken as not delivered; keep it well
-    under ``lease``.
+    under ``lease``. ``listen``: on PostgreSQL, wake up when a job is enqueued
+    (LISTEN/NOTIFY, like a worker) instead of only every ``poll_interval``.
     """
 
     def __init__(
@@ -94,6 +95,7 @@ class Relay:
         poll_interval: float = 0.5,
         reconnect: Backoff | None = None,
         name: str | None = None,
+        listen: bool = True,
     ) -> None:
         if isinstance(queues, str) or not queues or not all(isinstance(q, str) and q for q in queues):
             raise ConfigError(f"Relay queues must be a non-empty list of queue names, got {queues!r}")
@@ -116,7 +118,9 @@ class Relay:
         self.name = f"{socket.gethostname()}:{os.getpid()}:{name or 'relay'}"
         self.sql = app.driver(engine)
         self.counts = RelayCounts()
+        self.listen = listen
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set by the LISTEN thread when a job is enqueued
         self._connected = False
         self._unfinished: list[Fence] = []  # acknowledged by the broker, finish not yet written
         self._alone = False  # an isolated job (its last worker died) waits: claim it by itself
@@ -139,6 +143,9 @@ class Relay:
         log.info("relay %s: queues %s -> %s", self.name, ", ".join(self.queues), self.target.describe())
         failures = 0  # broker connection failures in a row
         self._connected = False
+        listener = self.sql.listener(self.engine, self._wake.set, self.name) if self.listen else None
+        if listener is not None:
+            listener.start()
         try:
             while not self._stop.is_set():
                 if not self._connected:
@@ -161,8 +168,10 @@ class Relay:
                 if not busy:
                     if until_idle and not self._unfinished:
                         break
-                    await self._sleep(self.poll_interval)
+                    await self._sleep(self.poll_interval, wake=True)
         finally:
+            if listener is not None:
+                listener.stop()
             await self.target.close()
         log.info("relay %s: stopped; %s", self.name, self.counts)
         return self.counts
@@ -182,10 +191,11 @@ class Relay:
         self._connected = True
         return 0
 
-    async def _sleep(self, seconds: float) -> None:
+    async def _sleep(self, seconds: float, *, wake: bool = False) -> None:
+        """Sleep ``seconds``, ending early on ``stop()`` and, with ``wake``, when a job is enqueued."""
         end = time.monotonic() + seconds
-        while not self._stop.is_set() and (left := end - time.monotonic()) > 0:
-            await asyncio.sleep(min(left, 0.1))
+        while not self._stop.is_set() and not (wake and self._wake.is_set()) and (left := end - time.monotonic()) > 0:
+            await asyncio.sleep(min(left, 0.05))
 
     async def _turn(self) -> bool:
         """One batch: claim, publish, finish. Returns whether there was anything to do."""
@@ -195,6 +205,7 @@ class Relay:
         if time.monotonic() >= self._next_reap:
             await asyncio.to_thread(self._reap)
             self._next_reap = time.monotonic() + min(5.0, self.lease / 4)
+        self._wake.clear()  # before the claim: a job enqueued from now on wakes the next sleep
         jobs = await asyncio.to_thread(self._claim)
         if not jobs:
             return self._alone

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from tests.conftest import Database, run_cli
 from tests.relay_app import RelayDeadJob, RelayJob, queue
 
 from .brokers import BrokerSpace
+from .conftest import wait_for
 
 ROUTES = {"order.created": "stored.orders.created", "order.paid": "stored.orders.paid"}
 
@@ -139,3 +141,19 @@ def test_cli_relays_until_idle(relay_db: Database, space: BrokerSpace) -> None:
     assert "guest:guest" not in result.stderr  # the log names the broker without its password
     assert sorted(r.body["n"] for r in space.read_all(expect=20)) == list(range(20))
     assert json.dumps(states(relay_db)) == json.dumps({"finished": 20})
+
+
+def test_on_postgresql_an_idle_relay_wakes_when_a_job_is_enqueued(relay_pg: Database, space: BrokerSpace) -> None:
+    # With a 60 s poll interval, only the LISTEN/NOTIFY wake-up can bring the job out within the wait below.
+    relay = Relay(relay_pg.engine, queue, space.target(ROUTES), poll_interval=60, lease=60)
+    thread = threading.Thread(target=relay.run)
+    thread.start()
+    try:
+        time.sleep(2)  # connected, found nothing, asleep
+        with Session(relay_pg.engine) as session, session.begin():
+            session.add(RelayJob(kind="order.created", queue="relay", payload={"n": 7}))
+        wait_for(lambda: states(relay_pg) == {"finished": 1}, 15, "the relay to wake and publish the job")
+    finally:
+        relay.stop()
+        thread.join(30)
+    assert [r.body for r in space.read_all(expect=1)] == [{"n": 7}]
