@@ -39,7 +39,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from .._app import JobQueue
+from .._app import JobEvent, JobQueue
 from .._backoff import Backoff
 from .._reconnect import retry_pause
 from ..drivers.base import Claimed, Fence
@@ -122,7 +122,7 @@ class Relay:
         self._stop = threading.Event()
         self._wake = threading.Event()  # set by the LISTEN thread when a job is enqueued
         self._connected = False
-        self._unfinished: list[Fence] = []  # acknowledged by the broker, finish not yet written
+        self._unfinished: list[Claimed] = []  # acknowledged by the broker, finish not yet written
         self._alone = False  # an isolated job (its last worker died) waits: claim it by itself
         self._next_reap = 0.0
 
@@ -216,7 +216,7 @@ class Relay:
         except BrokerUnavailable as exc:
             await asyncio.to_thread(self._interrupted, jobs, str(exc))
             raise
-        acked = [m.job.fence for m in routed if outcome.get(m.job.id, "") is None]
+        acked = [m.job for m in routed if outcome.get(m.job.id, "") is None]
         refused = [(m.job, outcome[m.job.id] or "") for m in routed if outcome.get(m.job.id) is not None]
         missing = [(m.job, "the broker gave no answer for it") for m in routed if m.job.id not in outcome]
         self._unfinished = acked
@@ -242,28 +242,41 @@ class Relay:
         self._alone = waiting
         return jobs
 
-    def _finish(self, fences: list[Fence]) -> None:
-        if not fences:
+    def _finish(self, jobs: list[Claimed]) -> None:
+        if not jobs:
             return
         with self.sql.write(self.engine) as conn:
-            kept = self.sql.finish(conn, fences)
+            kept = self.sql.finish(conn, [job.fence for job in jobs])
         self.counts.published += len(kept)
-        if len(kept) < len(fences):
+        if len(kept) < len(jobs):
             # Their lease ran out first and someone took them over: they will be published again (same id).
             log.warning("relay %s: %d published job(s) were no longer ours to finish", self.name,
-                        len(fences) - len(kept))
+                        len(jobs) - len(kept))
+        if self.app.listens("finished"):
+            for job in jobs:
+                if job.id in kept:
+                    self._emit("finished", job)
+
+    def _emit(self, name: str, job: Claimed, error: str | None = None) -> None:
+        """Tell the app's hooks (``app.on(...)``, Prometheus counters) what happened, as a worker does."""
+        self.app.emit(JobEvent(name, job.id, job.kind, job.queue, job.attempt, job.max_attempts, None, error))
 
     def _fail(self, failed: list[tuple[Claimed, str]]) -> None:
         """A refused or unroutable message: a failed attempt, retried with the app's backoff."""
+        events = []
         with self.sql.write(self.engine) as conn:
             for job, error in failed:
                 if job.attempt >= job.max_attempts:
-                    self.sql.dead_letter(conn, job.fence, error)
+                    if self.sql.dead_letter(conn, job.fence, error):
+                        events.append(("dead_letter", job, error))
                     log.warning("job %d %s: %s; moved to dead letters", job.id, job.kind, error)
                 else:
                     delay = self.app.retry_delay(job.kind, job.attempt)
-                    self.sql.release(conn, job.fence, delay=delay, error=error, attempt=job.attempt)
+                    if self.sql.release(conn, job.fence, delay=delay, error=error, attempt=job.attempt):
+                        events.append(("failed", job, error))
                     log.warning("job %d %s: %s; retry in %.1fs", job.id, job.kind, error, delay)
+        for name, job, error in events:  # after the commit, like the worker's hooks
+            self._emit(name, job, error)
 
     def _interrupted(self, jobs: list[Claimed], why: str) -> None:
         """The broker went away mid-batch: every job of it goes back, the attempt refunded (bounded)."""

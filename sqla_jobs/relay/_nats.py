@@ -112,6 +112,9 @@ class NatsTarget:
         for message, result in zip(messages, results, strict=True):
             if not isinstance(result, BaseException):
                 outcome[message.job.id] = None
+            elif isinstance(result, nats.errors.MaxPayloadError):
+                outcome[message.job.id] = (f"the message ({len(message.body)} bytes of payload) is larger than "
+                                           "the NATS server's max_payload")
             elif isinstance(result, (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)):
                 outcome[message.job.id] = (f"no JetStream stream stores subject {self.route(message.job.kind)!r}: "
                                            "add it to a stream's subjects")

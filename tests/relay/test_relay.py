@@ -10,6 +10,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from sqla_jobs import JobEvent
 from sqla_jobs.errors import ConfigError
 from sqla_jobs.relay import HEADER_ATTEMPT, HEADER_ID, HEADER_KIND, HEADER_QUEUE, Relay
 from tests.conftest import Database, run_cli
@@ -84,12 +85,25 @@ def test_a_job_the_broker_cannot_take_fails_like_a_handler_and_ends_dead(
     with Session(relay_db.engine) as session, session.begin():
         session.add(RelayJob(kind="order.paid", queue="relay", payload={"n": 1}, max_attempts=2))
         session.add(RelayJob(kind="order.created", queue="relay", payload={"n": 2}))
-    relay = Relay(relay_db.engine, queue, space.target(routes))
-    relay.run(until_idle=True)  # first attempt fails, the retry waits 0.2 s (the app's backoff)
-    assert states(relay_db) == {"finished": 1, "pending": 1}
+    heard: list[tuple[str, str, int]] = []
 
-    time.sleep(0.5)
-    relay.run(until_idle=True)
+    def hear(event: JobEvent) -> None:
+        heard.append((event.name, event.kind, event.attempt))
+
+    for name in ("finished", "failed", "dead_letter"):
+        queue.on(name)(hear)
+    try:
+        relay = Relay(relay_db.engine, queue, space.target(routes))
+        relay.run(until_idle=True)  # first attempt fails, the retry waits 0.2 s (the app's backoff)
+        assert states(relay_db) == {"finished": 1, "pending": 1}
+        time.sleep(0.5)
+        relay.run(until_idle=True)
+    finally:
+        for name in ("finished", "failed", "dead_letter"):
+            queue.off(name, hear)
+    # The app's hooks hear the relay's outcomes as they hear a worker's (Prometheus counters included).
+    assert sorted(heard) == [("dead_letter", "order.paid", 2), ("failed", "order.paid", 1),
+                             ("finished", "order.created", 1)]
     assert states(relay_db) == {"finished": 1}
     assert dead_count(relay_db) == 1
     with Session(relay_db.engine) as session:
