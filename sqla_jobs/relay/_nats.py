@@ -99,22 +99,30 @@ class NatsTarget:
         nats = _client()
         if self._js is None or self._nc is None or not self._nc.is_connected:
             raise BrokerUnavailable("not connected to NATS")
-        sends = [
-            self._js.publish(self.route(m.job.kind) or "", m.body, timeout=timeout,
-                             headers={"Nats-Msg-Id": m.message_id, **m.headers})
-            for m in messages
-        ]
+        outcome: dict[int, str | None] = {}
+        limit = self._nc.max_payload
+        sendable = []
+        for m in messages:
+            headers = {"Nats-Msg-Id": m.message_id, **m.headers}
+            if _wire_size(m.body, headers) > limit:
+                # nats-py checks the body only; the server closes the whole connection for a message
+                # whose body and headers exceed max_payload, which would cost the batch a reconnect.
+                outcome[m.job.id] = (f"the message ({len(m.body)} bytes of payload plus headers) is larger than "
+                                     f"the NATS server's max_payload ({limit} bytes)")
+            else:
+                sendable.append((m, headers))
+        messages = [m for m, _ in sendable]
+        sends = [self._js.publish(self.route(m.job.kind) or "", m.body, timeout=timeout, headers=headers)
+                 for m, headers in sendable]
         try:
             results = await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout + 1)
         except asyncio.TimeoutError:
             raise BrokerUnavailable(f"JetStream did not acknowledge {len(messages)} message(s) within {timeout:g}s")
-        outcome: dict[int, str | None] = {}
         for message, result in zip(messages, results, strict=True):
             if not isinstance(result, BaseException):
                 outcome[message.job.id] = None
             elif isinstance(result, nats.errors.MaxPayloadError):
-                outcome[message.job.id] = (f"the message ({len(message.body)} bytes of payload) is larger than "
-                                           "the NATS server's max_payload")
+                outcome[message.job.id] = "the message is larger than the NATS server's max_payload"
             elif isinstance(result, (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)):
                 outcome[message.job.id] = (f"no JetStream stream stores subject {self.route(message.job.kind)!r}: "
                                            "add it to a stream's subjects")
@@ -131,3 +139,10 @@ class NatsTarget:
         if nc is not None:
             with contextlib.suppress(Exception):  # already cut: nothing left to close
                 await asyncio.wait_for(nc.close(), 5)
+
+
+def _wire_size(body: bytes, headers: dict[str, str]) -> int:
+    """What the server counts against max_payload: the header block (``NATS/1.0``, one line per
+    header, a blank line) plus the body."""
+    block = len("NATS/1.0\r\n") + sum(len(k.encode()) + 2 + len(v.encode()) + 2 for k, v in headers.items()) + 2
+    return block + len(body)
