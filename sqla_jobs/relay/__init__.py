@@ -7,7 +7,7 @@ id as the message id for deduplication)::
 
     from sqla_jobs.relay import RabbitMQTarget, Relay, relayed
 
-    relayed(queue, "order.created")   # the app accepts the kind without a handler of its own
+    relayed(queue, "order.created")   # the app accepts the kind; a worker that takes one by mistake snoozes it
     target = RabbitMQTarget("amqp://guest:guest@127.0.0.1:5672/",
                             routes={"order.created": "orders.created"}, bindings={"orders": "orders.#"})
     Relay(engine, queue, target, queues=["relay"]).run()

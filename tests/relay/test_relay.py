@@ -10,9 +10,10 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from sqla_jobs import JobEvent
+from sqla_jobs import JobEvent, Worker
 from sqla_jobs.errors import ConfigError
 from sqla_jobs.relay import HEADER_ATTEMPT, HEADER_ID, HEADER_KIND, HEADER_QUEUE, Relay
+from sqla_jobs.testing import make_due
 from tests.conftest import Database, run_cli
 from tests.relay_app import RelayDeadJob, RelayJob, queue
 
@@ -193,3 +194,18 @@ def test_a_payload_at_the_size_limit(relay_db: Database, space: BrokerSpace) -> 
         with Session(relay_db.engine) as session:
             dead = session.scalars(select(RelayDeadJob)).one()
         assert "larger than the NATS server's max_payload" in (dead.last_error or "")
+
+
+def test_a_worker_that_takes_a_relayed_job_by_mistake_puts_it_back_unharmed(
+    relay_db: Database, space: BrokerSpace
+) -> None:
+    with Session(relay_db.engine) as session, session.begin():
+        session.add(RelayJob(kind="order.created", queue="relay", payload={"n": 1}))
+    Worker(relay_db.engine, queue, concurrency=1, poll_interval=0.05).run(burst=True, install_signals=False)
+    with Session(relay_db.engine) as session:
+        job = session.scalars(select(RelayJob)).one()
+        assert (job.state, job.attempts, job.last_error) == ("pending", 0, None)  # snoozed: nothing spent
+    assert make_due(relay_db.engine, queue) == 1
+    Relay(relay_db.engine, queue, space.target(ROUTES)).run(until_idle=True)
+    assert [r.body for r in space.read_all(expect=1)] == [{"n": 1}]
+    assert states(relay_db) == {"finished": 1}
