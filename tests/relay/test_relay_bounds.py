@@ -51,3 +51,16 @@ def test_lost_claims_are_refunded_up_to_the_bound_then_count(relay_db: Database,
         assert (worn_row.state, worn_row.attempts) == ("finished", 2)  # past the bound: it counted
         assert "attempt not counted" not in (worn_row.errors or [])[-1]["error"]
     assert sorted(r.body["n"] for r in space.read_all(expect=2)) == [1, 2]
+
+
+def test_a_job_a_workers_reaper_marked_to_run_alone_is_still_relayed(relay_db: Database, space: BrokerSpace) -> None:
+    # When workers share the table, their reaper may hand back a dead relay's jobs first, by the worker's
+    # rule: the job is marked `isolate` (claimed only by itself). The relay claims such a job alone.
+    with Session(relay_db.engine) as session, session.begin():
+        jobs = [RelayJob(kind="order.created", queue="relay", payload={"n": n}) for n in range(3)]
+        session.add_all(jobs)
+        session.flush()
+        session.execute(update(RelayJob).where(RelayJob.id == jobs[1].id).values(isolate=True))
+    counts = Relay(relay_db.engine, queue, space.target(ROUTES)).run(until_idle=True)
+    assert counts.published == 3
+    assert sorted(r.body["n"] for r in space.read_all(expect=3)) == [0, 1, 2]
