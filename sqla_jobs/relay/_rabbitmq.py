@@ -42,6 +42,13 @@ def _client() -> Any:
     return aio_pika
 
 
+def _properties_class() -> Any:
+    """AMQP message properties, from aiormq: the AMQP layer aio-pika is built on (installed with it)."""
+    import aiormq
+
+    return aiormq.spec.Basic.Properties
+
+
 class RabbitMQTarget:
     """Publish jobs to one durable exchange of a RabbitMQ server.
 
@@ -75,7 +82,7 @@ class RabbitMQTarget:
         self.exchange_type = exchange_type
         self.bindings = {q: [p] if isinstance(p, str) else list(p) for q, p in (bindings or {}).items()}
         self._connection: Any = None
-        self._exchange: Any = None
+        self._channel: Any = None  # aiormq's channel under aio-pika's: publishing through it costs a third less
 
     def route(self, kind: str) -> str | None:
         return route_for(self.routes, kind)
@@ -90,23 +97,32 @@ class RabbitMQTarget:
         try:
             self._connection = await aio_pika.connect(self.url, timeout=10)
             channel = await self._connection.channel(publisher_confirms=True, on_return_raises=True)
-            self._exchange = await channel.declare_exchange(
+            exchange = await channel.declare_exchange(
                 self.exchange_name, aio_pika.ExchangeType(self.exchange_type), durable=True
             )
             for name, patterns in self.bindings.items():
                 queue = await channel.declare_queue(name, durable=True)
                 for pattern in patterns:
-                    await queue.bind(self._exchange, routing_key=pattern)
+                    await queue.bind(exchange, routing_key=pattern)
+            self._channel = await channel.get_underlay_channel()
         except (OSError, asyncio.TimeoutError, aio_pika.exceptions.AMQPError) as exc:
             await self.close()
             raise BrokerUnavailable(f"RabbitMQ at {without_password(self.url)}: {exc!r}") from exc
 
     async def publish(self, messages: list[Outgoing], timeout: float) -> dict[int, str | None]:
         aio_pika = _client()
-        if self._exchange is None or self._connection is None or self._connection.is_closed:
+        if self._channel is None or self._connection is None or self._connection.is_closed:
             raise BrokerUnavailable("not connected to RabbitMQ")
-        sends = [self._exchange.publish(self._message(aio_pika, m), self.route(m.job.kind) or "", mandatory=True)
-                 for m in messages]
+        # A nack raises DeliveryError, a returned (unroutable, mandatory) message PublishError, one of it.
+        properties = _properties_class()
+        sends = [
+            self._channel.basic_publish(
+                m.body, exchange=self.exchange_name, routing_key=self.route(m.job.kind) or "", mandatory=True,
+                properties=properties(message_id=m.message_id, message_type=m.job.kind, content_type="application/json",
+                                      delivery_mode=2, headers=dict(m.headers)),  # 2: persistent
+            )
+            for m in messages
+        ]
         try:
             results = await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout)
         except asyncio.TimeoutError:
@@ -122,19 +138,8 @@ class RabbitMQTarget:
                 raise BrokerUnavailable(f"RabbitMQ publish failed: {result!r}") from result
         return outcome
 
-    @staticmethod
-    def _message(aio_pika: Any, m: Outgoing) -> Any:
-        return aio_pika.Message(
-            m.body,
-            message_id=m.message_id,
-            type=m.job.kind,
-            content_type="application/json",
-            delivery_mode=aio_pika.DeliveryMode.PERSISTENT,
-            headers=dict(m.headers),
-        )
-
     async def close(self) -> None:
-        connection, self._connection, self._exchange = self._connection, None, None
+        connection, self._connection, self._channel = self._connection, None, None
         if connection is not None:
             with contextlib.suppress(Exception):  # already cut: nothing left to close
                 await asyncio.wait_for(connection.close(), 5)

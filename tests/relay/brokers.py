@@ -55,6 +55,8 @@ class Received:
     headers: dict[str, str]
     body: Any
     destination: str  # routing key or subject
+    #: RabbitMQ's message properties that the relay sets (none for NATS).
+    properties: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -139,8 +141,10 @@ async def _read_rabbitmq(space: BrokerSpace, expect: int, idle: float) -> list[R
                 except asyncio.TimeoutError:
                     break
                 headers = {k: v.decode() if isinstance(v, bytes) else str(v) for k, v in message.headers.items()}
+                properties = {"type": message.type, "content_type": message.content_type,
+                              "delivery_mode": int(message.delivery_mode)}
                 got.append(Received(str(message.message_id), headers, json.loads(message.body),
-                                    message.routing_key or ""))
+                                    message.routing_key or "", properties))
     return got
 
 

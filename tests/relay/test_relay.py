@@ -60,6 +60,8 @@ def test_each_committed_job_arrives_with_its_id_kind_and_payload(relay_db: Datab
         assert message.headers[HEADER_QUEUE] == "relay"
         assert message.headers[HEADER_ATTEMPT] == "1"
         assert message.destination == space.dest(ROUTES[job.kind])
+        if space.broker == "rabbitmq":  # persistent, typed JSON
+            assert message.properties == {"type": job.kind, "content_type": "application/json", "delivery_mode": 2}
     assert states(relay_db) == {"finished": 30}
 
 
