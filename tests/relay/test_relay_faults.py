@@ -11,6 +11,7 @@ back out of the broker and counted.
 from __future__ import annotations
 
 import os
+import re
 import socket
 import time
 from collections import Counter
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.slow
 
 JOBS = int(os.environ.get("SQLA_JOBS_TEST_RELAY_JOBS", "10000"))
 ROUTES = {"order.created": "stored.orders.created"}
-FAST = ["--lease", "2", "--confirm-timeout", "1", "--batch", "200"]
+FAST = ["--lease", "2", "--confirm-timeout", "1", "--batch", "100"]
 
 
 def counts(db: Database) -> dict[str, int]:
@@ -83,29 +84,38 @@ def test_every_job_arrives_through_kills_and_cuts(
     jobs = enqueue(relay_pg, JOBS)
     options = [*space.cli_options(ROUTES, url), *FAST]
     relay = relays(relay_pg.url, options)
+    finished = lambda: counts(relay_pg).get("finished", 0)  # noqa: E731
     kills = cuts = 0
-    # Strike each time another ninth of the jobs went through, so every kill and cut lands while
-    # jobs are left; after a cut, wait until the relay felt it.
-    for step in range(1, 7):
-        done = counts(relay_pg).get("finished", 0)
-        wait_for(lambda done=done: counts(relay_pg).get("finished", 0) >= done + JOBS // 9, 120,
-                 f"another ninth of the jobs relayed (step {step})")
-        if step in (2, 5):
+    # Strike each time another tenth of the jobs went through (no more strikes once all went through:
+    # a fast relay may outrun the plan); after a cut, wait until the relay felt it.
+    for strike in ("kill", "cut", "kill", "kill", "cut", "kill"):
+        done = finished()
+        wait_for(lambda done=done: finished() >= min(JOBS, done + JOBS // 10), 120, f"progress before a {strike}")
+        if finished() >= JOBS:
+            break
+        if strike == "cut":
             felt = relay.log().count("broker lost")
             assert relay.proc is not None
             space.cut_connections(proxy, relay.proc.pid)
-            wait_for(lambda felt=felt, relay=relay: relay.log().count("broker lost") > felt, 30,
-                     "the relay to feel the cut")
+            wait_for(lambda felt=felt, relay=relay: relay.log().count("broker lost") > felt or finished() >= JOBS,
+                     30, "the relay to feel the cut")
             cuts += 1
         else:
+            # Kill while a batch is claimed (between two batches nothing is: wait for the next claim).
+            wait_for(lambda: counts(relay_pg).get("running", 0) > 0 or finished() >= JOBS, 10, "a claimed batch")
             relay.kill()
             kills += 1
             relay = relays(relay_pg.url, options)
     wait_for(lambda: counts(relay_pg) == {"finished": JOBS, "dead": 0}, 180, "every job finished")
+    # The last relay may have been started after the work was done: let it get going, then stop it.
+    wait_for(lambda: relay.log().count("queues relay ->") == kills + 1, 60, "the last relay to start")
     assert relay.stop() == 0
     log = relay.log()
-    assert (kills, cuts) == (4, 2)
-    assert log.count("broker lost") >= 2, log[-3000:]
+    # A later relay's reaper hands back (and logs) what a killed relay left claimed: batches of 100,
+    # so this many jobs mean at least two kills hit a claimed batch.
+    reaped = sum(int(n) for n in re.findall(r"handed back (\d+) job\(s\) of a relay whose lease expired", log))
+    assert kills >= 3 and cuts >= 1 and reaped >= 200, (kills, cuts, reaped)
+    assert log.count("broker lost") >= cuts - 1, log[-3000:]  # the last cut may come as the work ends
     with Session(relay_pg.engine) as session:
         attempts = list(session.scalars(select(RelayJob.attempts)))
         handed_back = session.scalar(select(func.count()).where(RelayJob.errors.is_not(None)))
@@ -113,7 +123,8 @@ def test_every_job_arrives_through_kills_and_cuts(
     assert max(attempts) == 1, "a kill or a cut cost a job an attempt"
     seen = check_every_job_arrived(space, jobs)
     duplicates = sum(n - 1 for n in seen.values())
-    print(f"\n{space.broker}: {JOBS} jobs, {kills} kills, {cuts} cuts, {handed_back} handed back, "
+    print(f"\n{space.broker}: {JOBS} jobs, {kills} kills ({reaped} jobs left claimed by them), {cuts} cuts, "
+          f"{handed_back} handed back, "
           f"{duplicates} duplicate deliveries (same id)")
     if proxy:
         proxy.close()
