@@ -42,6 +42,7 @@ from ._cli_admin import (
     cmd_stats,
 )
 from ._cli_migrations import add_migrations_parser
+from ._cli_relay import add_relay_parser
 from ._durations import parse_duration
 from ._models import STATES
 from ._process import WorkerProcess, run_worker_process
@@ -299,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_migrations_parser(sub, _common)
     add_dashboard_parser(sub, _common)
+    add_relay_parser(sub, _common)
 
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")

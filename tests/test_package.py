@@ -72,7 +72,7 @@ def test_every_public_name_is_importable_and_documented() -> None:
 
 #: The public modules besides ``sqla_jobs`` itself (docs/reference/api.md names each).
 PUBLIC_MODULES = ["sqla_jobs.testing", "sqla_jobs.errors", "sqla_jobs.metrics", "sqla_jobs.alembic", "sqla_jobs.cli",
-                  "sqla_jobs.leader"]
+                  "sqla_jobs.leader", "sqla_jobs.relay"]
 
 
 def test_public_modules_are_documented_with_their_names() -> None:

@@ -1,0 +1,165 @@
+"""The relay under faults, against the real brokers and PostgreSQL: kills, cut connections, a broker down.
+
+The large run uses ``SQLA_JOBS_TEST_RELAY_JOBS`` jobs (default 10,000, the
+issue's figure). The relay is a real ``sqla-jobs relay`` process; it is
+SIGKILLed in the middle of its work several times and its broker connection is
+cut (RabbitMQ: ``rabbitmqctl close_all_connections`` on the server; NATS:
+through a TCP proxy that resets the connection). Then every message is read
+back out of the broker and counted.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from collections import Counter
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from tests.conftest import Database
+from tests.relay_app import RelayDeadJob, RelayJob, queue
+from tests.reliability.proxy import TcpProxy
+
+from .brokers import BrokerSpace
+from .conftest import wait_for
+
+pytestmark = pytest.mark.slow
+
+JOBS = int(os.environ.get("SQLA_JOBS_TEST_RELAY_JOBS", "10000"))
+ROUTES = {"order.created": "stored.orders.created"}
+FAST = ["--lease", "2", "--confirm-timeout", "1", "--batch", "100"]
+
+
+def counts(db: Database) -> dict[str, int]:
+    with Session(db.engine) as session:
+        found = {s: n for s, n in session.execute(select(RelayJob.state, func.count()).group_by(RelayJob.state))}
+        found["dead"] = session.scalar(select(func.count()).select_from(RelayDeadJob)) or 0
+    return found
+
+
+def enqueue(db: Database, n: int, start: int = 0) -> dict[str, int]:
+    """``n`` jobs; returns {job id as text: the n in its payload}."""
+    with Session(db.engine) as session, session.begin():
+        queue.enqueue_many(session, [{"kind": "order.created", "queue": "relay", "payload": {"n": start + i}}
+                                     for i in range(n)])
+    with Session(db.engine) as session:
+        return {str(job_id): payload["n"] for job_id, payload in session.execute(select(RelayJob.id, RelayJob.payload))}
+
+
+def through(proxy: TcpProxy, url: str) -> str:
+    parts = urlsplit(url)
+    netloc = parts.netloc.rsplit("@", 1)
+    host = f"127.0.0.1:{proxy.port}"
+    return urlunsplit(parts._replace(netloc=f"{netloc[0]}@{host}" if len(netloc) == 2 else host))
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def check_every_job_arrived(space: BrokerSpace, jobs: dict[str, int]) -> Counter[str]:
+    received = space.read_all(expect=len(jobs), idle=5.0)
+    seen = Counter(r.message_id for r in received)
+    missing = set(jobs) - set(seen)
+    assert not missing, f"{len(missing)} job(s) never reached the broker, e.g. {sorted(missing)[:5]}"
+    assert set(seen) == set(jobs), "the broker holds messages of jobs that were never enqueued"
+    for message in received:  # a duplicate is the same job again: same id, same body
+        assert message.body == {"n": jobs[message.message_id]}
+    return seen
+
+
+def test_every_job_arrives_through_kills_and_cuts(
+    relay_pg: Database, space: BrokerSpace, relays: Any, tmp_path: Any
+) -> None:
+    proxy = TcpProxy(*(urlsplit(space.url).hostname, urlsplit(space.url).port)) if space.broker == "nats" else None
+    url = through(proxy, space.url) if proxy else space.url
+    jobs = enqueue(relay_pg, JOBS)
+    options = [*space.cli_options(ROUTES, url), *FAST]
+    relay = relays(relay_pg.url, options)
+    finished = lambda: counts(relay_pg).get("finished", 0)  # noqa: E731
+    kills = cuts = 0
+    # Strike each time another tenth of the jobs went through (no more strikes once all went through:
+    # a fast relay may outrun the plan); after a cut, wait until the relay felt it.
+    for strike in ("kill", "cut", "kill", "kill", "cut", "kill"):
+        done = finished()
+        wait_for(lambda done=done: finished() >= min(JOBS, done + JOBS // 10), 120, f"progress before a {strike}")
+        if finished() >= JOBS:
+            break
+        if strike == "cut":
+            felt = relay.log().count("broker lost")
+            assert relay.proc is not None
+            space.cut_connections(proxy, relay.proc.pid)
+            wait_for(lambda felt=felt, relay=relay: relay.log().count("broker lost") > felt or finished() >= JOBS,
+                     30, "the relay to feel the cut")
+            cuts += 1
+        else:
+            # Kill while a batch is claimed (between two batches nothing is: wait for the next claim).
+            wait_for(lambda: counts(relay_pg).get("running", 0) > 0 or finished() >= JOBS, 10, "a claimed batch")
+            relay.kill()
+            kills += 1
+            relay = relays(relay_pg.url, options)
+    wait_for(lambda: counts(relay_pg) == {"finished": JOBS, "dead": 0}, 180, "every job finished")
+    # The last relay may have been started after the work was done: let it get going, then stop it.
+    wait_for(lambda: relay.log().count("queues relay ->") == kills + 1, 60, "the last relay to start")
+    assert relay.stop() == 0
+    log = relay.log()
+    # A later relay's reaper hands back (and logs) what a killed relay left claimed: batches of 100,
+    # so this many jobs mean at least two kills hit a claimed batch.
+    reaped = sum(int(n) for n in re.findall(r"handed back (\d+) job\(s\) of a relay whose lease expired", log))
+    assert kills >= 3 and cuts >= 1 and reaped >= 200, (kills, cuts, reaped)
+    assert log.count("broker lost") >= cuts - 1, log[-3000:]  # the last cut may come as the work ends
+    with Session(relay_pg.engine) as session:
+        attempts = list(session.scalars(select(RelayJob.attempts)))
+        handed_back = session.scalar(select(func.count()).where(RelayJob.errors.is_not(None)))
+    assert handed_back, "no kill landed while jobs were in flight: the test proved nothing"
+    assert max(attempts) == 1, "a kill or a cut cost a job an attempt"
+    seen = check_every_job_arrived(space, jobs)
+    duplicates = sum(n - 1 for n in seen.values())
+    print(f"\n{space.broker}: {JOBS} jobs, {kills} kills ({reaped} jobs left claimed by them), {cuts} cuts, "
+          f"{handed_back} handed back, "
+          f"{duplicates} duplicate deliveries (same id)")
+    if proxy:
+        proxy.close()
+
+
+def test_while_the_broker_is_down_jobs_wait_untouched_then_all_arrive(
+    relay_pg: Database, space: BrokerSpace, relays: Any
+) -> None:
+    host, port = urlsplit(space.url).hostname, urlsplit(space.url).port
+    proxy = TcpProxy(host or "127.0.0.1", port or 0)
+    up = proxy.upstream
+    proxy.upstream = ("127.0.0.1", closed_port())  # the broker is down from the start
+    jobs = enqueue(relay_pg, 300)
+    relay = relays(relay_pg.url, [*space.cli_options(ROUTES, through(proxy, space.url)), *FAST])
+    wait_for(lambda: "broker unreachable" in relay.log(), 30, "the relay to find the broker down")
+    time.sleep(3)
+    # Nothing claimed, nothing failed: the jobs wait in the table as they were enqueued.
+    assert counts(relay_pg) == {"pending": 300, "dead": 0}
+    with Session(relay_pg.engine) as session:
+        assert session.scalar(select(func.max(RelayJob.attempts))) == 0
+    proxy.upstream = up
+    wait_for(lambda: counts(relay_pg) == {"finished": 300, "dead": 0}, 60, "the jobs relayed once it is back")
+
+    # Down again in the middle of a larger run: the batch in flight goes back, its attempt refunded.
+    jobs = enqueue(relay_pg, 3000, start=300)
+    wait_for(lambda: counts(relay_pg).get("finished", 0) >= 600, 60, "the second run under way")
+    proxy.upstream = ("127.0.0.1", closed_port())
+    proxy.cut()
+    time.sleep(4)
+    stalled = counts(relay_pg)
+    assert stalled["dead"] == 0 and stalled.get("running", 0) == 0, stalled
+    proxy.upstream = up
+    wait_for(lambda: counts(relay_pg) == {"finished": 3300, "dead": 0}, 90, "every job relayed after the outage")
+    assert relay.stop() == 0
+    with Session(relay_pg.engine) as session:
+        assert session.scalar(select(func.max(RelayJob.attempts))) == 1
+    check_every_job_arrived(space, jobs)
+    proxy.close()
