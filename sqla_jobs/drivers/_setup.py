@@ -126,6 +126,12 @@ class Setup:
         serialization failure): nothing is wrong, and running the transaction again is the cure."""
         return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) in {"40001", "40P01"}
 
+    def bench_table_stats(self, conn: Connection) -> dict[str, float]:
+        """The jobs table's size and churn as the soak plots them (``table_bytes``, ``index_bytes``,
+        ``live_tuples``, ``dead_tuples``, ``hot_update_share``, ``autovacuum_count``, ...); what the
+        backend cannot tell is left out (nothing by default)."""
+        return {}
+
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
         """Insert ``rows`` old finished jobs, as an unpruned queue has (the bench's background)."""
         conn.execute(insert(self.jobs), [{"kind": "noop", "payload": {}, "state": "finished", "attempts": 1}] * rows)

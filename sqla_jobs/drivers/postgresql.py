@@ -264,6 +264,17 @@ class PostgreSQLDriver(Driver):
         ), {"n": rows})
         conn.execute(text(f"ANALYZE {_pg_name(self.jobs)}"))
 
+    def bench_table_stats(self, conn: Connection) -> dict[str, float]:
+        # The statistics collector's counters reach pg_stat_user_tables within a second or so.
+        row = conn.execute(text(
+            "SELECT pg_relation_size(s.relid) AS table_bytes, pg_indexes_size(s.relid) AS index_bytes, "
+            "s.n_live_tup AS live_tuples, s.n_dead_tup AS dead_tuples, "
+            "s.n_tup_hot_upd::float8 / NULLIF(s.n_tup_upd, 0) AS hot_update_share, "
+            "s.autovacuum_count, s.autoanalyze_count, s.vacuum_count, s.n_tup_upd AS updates "
+            "FROM pg_stat_user_tables AS s WHERE s.relid = to_regclass(:target)"
+        ), {"target": _pg_name(self.jobs)}).mappings().first()
+        return {k: float(v) for k, v in row.items() if v is not None} if row else {}
+
     def harden(self, engine: Engine, worker_name: str) -> None:
         pg_keepalive.harden(engine, worker_name)  # keepalives, timeouts, application_name
 
