@@ -53,6 +53,7 @@ from ._durations import parse_duration
 from ._soak_report import SoakReport, Window, write_outputs
 from ._worker import Worker
 from ._worker_config import WorkerConfig
+from .errors import ConfigError
 
 __all__ = ["SoakSettings", "run_soak"]
 
@@ -91,13 +92,13 @@ class SoakSettings:
             try:
                 rate = float(rate_text)
             except ValueError:
-                raise SystemExit(f"--rate: {args.rate!r} is neither a number of jobs per second nor 'max'")
+                raise ConfigError(f"--rate: {args.rate!r} is neither a number of jobs per second nor 'max'") from None
             if not rate > 0:
-                raise SystemExit(f"--rate must be > 0 jobs/s (or 'max'), got {args.rate}")
+                raise ConfigError(f"--rate must be > 0 jobs/s (or 'max'), got {args.rate}")
         prune = None if str(args.soak_prune).lower() == "none" else parse_duration(args.soak_prune)
         window = parse_duration(args.window)
         if not window > 0:
-            raise SystemExit("--window must be > 0 seconds, e.g. 10s")
+            raise ConfigError("--window must be > 0 seconds, e.g. 10s")
         return cls(
             seconds=parse_duration(args.soak), rate=rate, processes=args.processes, concurrency=args.concurrency,
             batch_size=args.batch_size, window=window, prune_after=prune, out=Path(args.out),
@@ -225,10 +226,12 @@ def _table_figures(engine: Engine) -> dict[str, float]:
 def _progress(index: int, width: float, sample: dict[str, Any], tally: _Tally) -> str:
     """A live line per window; the handler figures of the window before (complete by now) come in the report."""
     figures = sample["figures"]
-    size = ""
+    parts = []
     if "table_bytes" in figures:
-        size = (f", table {figures['table_bytes'] / 1e6:.1f} MB + indexes {figures['index_bytes'] / 1e6:.1f} MB, "
-                f"{figures['dead_tuples']:.0f} dead tuples, {figures['autovacuum_count']:.0f} autovacuums")
+        parts.append(f"table {figures['table_bytes'] / 1e6:.1f} MB + indexes {figures['index_bytes'] / 1e6:.1f} MB")
+    if "dead_tuples" in figures:
+        parts.append(f"{figures['dead_tuples']:.0f} dead tuples, {figures['autovacuum_count']:.0f} autovacuums")
+    size = "".join(", " + part for part in parts)
     return (f"  {(index + 1) * width:6.0f}s {sample['phase']}: enqueued {tally.sent:,}, run {tally.unique:,}, "
             f"pending {sample['pending']:,}{size}")
 
