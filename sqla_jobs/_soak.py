@@ -82,6 +82,7 @@ class SoakSettings:
     prune_after: float | None  # None: keep finished jobs
     out: Path
     drain_timeout: float
+    storage: dict[str, str] = dataclasses.field(default_factory=dict)  # the jobs table's, e.g. fillfactor
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SoakSettings:
@@ -99,7 +100,14 @@ class SoakSettings:
         window = parse_duration(args.window)
         if not window > 0:
             raise ConfigError("--window must be > 0 seconds, e.g. 10s")
+        storage = {}
+        for item in filter(None, (part.strip() for part in (args.storage or "").split(","))):
+            name, equals, value = item.partition("=")
+            if not equals or not name.strip() or not value.strip():
+                raise ConfigError(f"--storage: {item!r} is not NAME=VALUE, e.g. fillfactor=70")
+            storage[name.strip()] = value.strip()
         return cls(
+            storage=storage,
             seconds=parse_duration(args.soak), rate=rate, processes=args.processes, concurrency=args.concurrency,
             batch_size=args.batch_size, window=window, prune_after=prune, out=Path(args.out),
             drain_timeout=parse_duration(args.drain_timeout),
@@ -284,6 +292,9 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
     """One soak on ``url`` (a scratch database of the bench's), windows and totals."""
     engine = create_engine(url, pool_size=10)
     _reset(engine)
+    if settings.storage:
+        with engine.begin() as conn:
+            queue.driver(conn).bench_storage(conn, settings.storage)
     ctx = mp.get_context("spawn")
     starts = ctx.Queue()
     readies = [ctx.Event() for _ in range(settings.processes)]
@@ -373,7 +384,7 @@ def run_soak(args: argparse.Namespace) -> int:
     report.settings = {
         "backend": url.get_backend_name(), "seconds": settings.seconds, "rate": settings.rate,
         "processes": settings.processes, "concurrency": settings.concurrency, "batch_size": settings.batch_size,
-        "window": settings.window, "prune_after": settings.prune_after,
+        "window": settings.window, "prune_after": settings.prune_after, "storage": settings.storage,
     }
     files = write_outputs({"sqla-jobs": report}, settings.out)
     report.files = files

@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --soak: delete finished jobs older than AGE every second, or 'none' to keep them")
     p.add_argument("--drain-timeout", default="120s", metavar="DURATION",
                    help="with --soak: how long the workers may take to drain what is left after DURATION")
+    p.add_argument("--storage", metavar="NAME=VALUE,...",
+                   help="with --soak on PostgreSQL: the jobs table's storage parameters, e.g. "
+                        "autovacuum_vacuum_scale_factor=0.01,fillfactor=70")
     p.add_argument("--out", default="soak-results", metavar="DIR",
                    help="with --soak: where soak.json, soak.csv and soak.png go")
     _json_flag(p, "the figures")

@@ -18,6 +18,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
+from ..errors import ConfigError
+
 __all__ = ["DatabaseNow", "IndexDefinition", "Setup", "index_dialects"]
 
 
@@ -131,6 +133,10 @@ class Setup:
         ``live_tuples``, ``dead_tuples``, ``hot_update_share``, ``autovacuum_count``, ...); what the
         backend cannot tell is left out (nothing by default)."""
         return {}
+
+    def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
+        """Set the jobs table's storage parameters (``fillfactor``, ``autovacuum_*``) for a bench run."""
+        raise ConfigError(f"--storage: {self.name} has no table storage parameters (they are PostgreSQL's)")
 
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
         """Insert ``rows`` old finished jobs, as an unpruned queue has (the bench's background)."""

@@ -100,6 +100,32 @@ WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
 
 
+# The claim must walk ix_<table>_pending in claim order and stop after `limit` rows. The planner
+# takes that plan only when its statistics say the backlog is large, and a queue table's rarely do:
+# ANALYZE mostly sees finished rows (a new table: nothing), so it expects a handful of pending jobs,
+# reads every pending row through a bitmap scan and sorts them all (FOR UPDATE sits between LIMIT
+# and the sort, so no top-N sort): a claim then costs O(backlog), 110 ms at 100,000 pending jobs,
+# and a backlog drains ever more slowly the larger it is. PostgreSQL has no per-statement hints, so
+# the worker's connection turns off the two plans that read every candidate row. That connection
+# runs only the hot statements, each by primary key or by a partial index; the settings are reset
+# when it goes back to the pool (_reset_claim_planner).
+_CLAIM_PLANNER_FLAG = "sqla_jobs.claim_planner"
+_CLAIM_PLANNER = "SELECT set_config('enable_bitmapscan', 'off', false), set_config('enable_seqscan', 'off', false)"
+_CLAIM_PLANNER_RESET = "RESET enable_bitmapscan; RESET enable_seqscan"
+
+
+def _reset_claim_planner(dbapi_connection: Any, record: Any) -> None:
+    """Pool checkin: a connection that ran the claim gets the default planner back before anyone else."""
+    if dbapi_connection is None or not record.info.pop(_CLAIM_PLANNER_FLAG, False):
+        return
+    try:
+        with dbapi_connection.cursor() as cursor:
+            cursor.execute(_CLAIM_PLANNER_RESET)
+        dbapi_connection.commit()
+    except Exception:
+        record.invalidate()  # the pool replaces it: nothing keeps the settings
+
+
 def _pg_name(table: Table) -> str:
     """The table's name as PostgreSQL wants it in hand-written SQL: quoted where needed, with its schema."""
     return str(postgresql.dialect().identifier_preparer.format_table(table))
@@ -275,6 +301,15 @@ class PostgreSQLDriver(Driver):
         ), {"target": _pg_name(self.jobs)}).mappings().first()
         return {k: float(v) for k, v in row.items() if v is not None} if row else {}
 
+    def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
+        preparer = postgresql.dialect().identifier_preparer
+        settings = []
+        for name, value in parameters.items():
+            if not name.replace("_", "").isalnum() or not value.replace(".", "").replace("_", "").isalnum():
+                raise ConfigError(f"--storage: {name}={value} is not a storage parameter (e.g. fillfactor=70)")
+            settings.append(f"{preparer.quote(name)} = {value}")
+        conn.execute(text(f"ALTER TABLE {_pg_name(self.jobs)} SET ({', '.join(settings)})"))
+
     def harden(self, engine: Engine, worker_name: str) -> None:
         pg_keepalive.harden(engine, worker_name)  # keepalives, timeouts, application_name
 
@@ -355,8 +390,15 @@ class PostgreSQLDriver(Driver):
             # SQLAlchemy does not see what the driver cursor runs: without this its commit
             # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
             conn.begin()
+        pooled = conn.connection
         try:
-            with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
+            with pooled.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
+                if not pooled.info.get(_CLAIM_PLANNER_FLAG):
+                    cursor.execute(_CLAIM_PLANNER)
+                    pooled.info[_CLAIM_PLANNER_FLAG] = True
+                    pool = conn.engine.pool
+                    if not event.contains(pool, "checkin", _reset_claim_planner):
+                        event.listen(pool, "checkin", _reset_claim_planner)
                 cursor.execute(sql, params)
                 rows = cursor.fetchall()
         except Exception as exc:
