@@ -35,6 +35,7 @@ import dataclasses
 import json
 import multiprocessing as mp
 import queue as queue_module
+import signal
 import statistics
 import sys
 import threading
@@ -80,6 +81,7 @@ class SoakSettings:
     batch_size: int
     window: float
     prune_after: float | None  # None: keep finished jobs
+    vacuum_every: float | None  # None: leave dead rows to autovacuum
     out: Path
     drain_timeout: float
     storage: dict[str, str] = dataclasses.field(default_factory=dict)  # the jobs table's, e.g. fillfactor
@@ -97,6 +99,7 @@ class SoakSettings:
             if not rate > 0:
                 raise ConfigError(f"--rate must be > 0 jobs/s (or 'max'), got {args.rate}")
         prune = None if str(args.soak_prune).lower() == "none" else parse_duration(args.soak_prune)
+        vacuum = None if str(args.soak_vacuum).lower() == "none" else parse_duration(args.soak_vacuum)
         window = parse_duration(args.window)
         if not window > 0:
             raise ConfigError("--window must be > 0 seconds, e.g. 10s")
@@ -109,7 +112,7 @@ class SoakSettings:
         return cls(
             storage=storage,
             seconds=parse_duration(args.soak), rate=rate, processes=args.processes, concurrency=args.concurrency,
-            batch_size=args.batch_size, window=window, prune_after=prune, out=Path(args.out),
+            batch_size=args.batch_size, window=window, prune_after=prune, vacuum_every=vacuum, out=Path(args.out),
             drain_timeout=parse_duration(args.drain_timeout),
         )
 
@@ -161,6 +164,7 @@ class _Tally:
         self.enqueue_counts: array[int] = array("q")
         self.sent = 0
         self.pruned = 0
+        self.vacuums = 0
         self.seen = bytearray()
         self.duplicates = 0
         self.unique = 0
@@ -203,6 +207,14 @@ def _prune(engine: Engine, older_than: float, tally: _Tally, stop: threading.Eve
     """What ``sqla-jobs prune --finished-older-than AGE`` run every second would do."""
     while not stop.wait(1.0):
         tally.pruned += queue.prune(engine, older_than=older_than, batch_size=5_000)
+
+
+def _vacuum(engine: Engine, every: float, tally: _Tally, stop: threading.Event) -> None:
+    """``VACUUM jobs`` every ``every`` seconds: autovacuum's work where the server's is off or too slow."""
+    while not stop.wait(every):
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            queue.driver(conn).bench_vacuum(conn)
+        tally.vacuums += 1
 
 
 def _collect(starts: Any, tally: _Tally, origin: float, window: float, stop: threading.Event) -> None:
@@ -268,8 +280,8 @@ def _windows(samples: list[dict[str, Any]], baseline: dict[str, float], tally: _
     for index, sample in enumerate(samples):
         figures = sample["figures"]
         latencies = tally.latency_by_window.get(index, array("d"))
-        runs = {key: figures[key] - previous.get(key, 0.0) for key in ("autovacuum_count", "autoanalyze_count")
-                if key in figures}
+        counters = ("autovacuum_count", "autoanalyze_count", "vacuum_count")
+        runs = {key: figures[key] - previous.get(key, 0.0) for key in counters if key in figures}
         previous = figures
         windows.append(Window(
             start=index * width, phase=sample["phase"],
@@ -281,6 +293,7 @@ def _windows(samples: list[dict[str, Any]], baseline: dict[str, float], tally: _
             live_tuples=figures.get("live_tuples"), dead_tuples=figures.get("dead_tuples"),
             hot_update_share=figures.get("hot_update_share"),
             autovacuum_runs=runs.get("autovacuum_count"), autoanalyze_runs=runs.get("autoanalyze_count"),
+            vacuum_runs=runs.get("vacuum_count"),
         ))
     return windows
 
@@ -295,6 +308,9 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
     if settings.storage:
         with engine.begin() as conn:
             queue.driver(conn).bench_storage(conn, settings.storage)
+    if settings.vacuum_every is not None:  # once now, so a backend without it says so before anything starts
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            queue.driver(conn).bench_vacuum(conn)
     ctx = mp.get_context("spawn")
     starts = ctx.Queue()
     readies = [ctx.Event() for _ in range(settings.processes)]
@@ -317,6 +333,9 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
     ]
     if settings.prune_after is not None:
         threads.append(threading.Thread(target=_prune, args=(engine, settings.prune_after, tally, stop_pruning),
+                                        daemon=True))
+    if settings.vacuum_every is not None:
+        threads.append(threading.Thread(target=_vacuum, args=(engine, settings.vacuum_every, tally, stop_pruning),
                                         daemon=True))
     for t in threads:
         t.start()
@@ -370,11 +389,17 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
     )
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
 def run_soak(args: argparse.Namespace) -> int:
     settings = SoakSettings.from_args(args)
     url = database_url(args.url)
     if missing_database(url) is None:  # a server: check it answers. A file: the scratch goes beside it
         make_engine(args.url).dispose()
+    # A stop (Ctrl-C, SIGTERM) unwinds like an error: the workers are stopped and the scratch removed.
+    signal.signal(signal.SIGTERM, _interrupt)
     rate = "max" if settings.rate is None else f"{settings.rate:g}/s"
     print(f"soak: {settings.seconds:g}s at {rate}, {settings.processes} process(es) x {settings.concurrency} threads, "
           f"windows of {settings.window:g}s, prune after {settings.prune_after}", file=sys.stderr, flush=True)
@@ -385,6 +410,7 @@ def run_soak(args: argparse.Namespace) -> int:
         "backend": url.get_backend_name(), "seconds": settings.seconds, "rate": settings.rate,
         "processes": settings.processes, "concurrency": settings.concurrency, "batch_size": settings.batch_size,
         "window": settings.window, "prune_after": settings.prune_after, "storage": settings.storage,
+        "vacuum_every": settings.vacuum_every,
     }
     files = write_outputs({"sqla-jobs": report}, settings.out)
     report.files = files

@@ -39,6 +39,7 @@ class Window:
     hot_update_share: float | None = None  # HOT updates / updates since the table was created
     autovacuum_runs: float | None = None  # in this window
     autoanalyze_runs: float | None = None
+    vacuum_runs: float | None = None  # VACUUMs run by hand (the soak's --soak-vacuum)
 
 
 @dataclasses.dataclass
@@ -97,15 +98,19 @@ class SoakReport:
                  f"{t['duplicates']}, left pending {t['pending_left']}; drained after "
                  f"{_num(t['drained_after_seconds'], 1)}s",
                  f"{'window':>7} {'phase':<5} {'enq/s':>8} {'run/s':>8} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} "
-                 f"{'pending':>8} {'table MB':>8} {'index MB':>8} {'dead tup':>9} {'HOT %':>6} {'autovac':>7}"]
+                 f"{'pending':>8} {'table MB':>8} {'index MB':>8} {'dead tup':>9} {'HOT %':>6} {'autovac':>7} "
+                 f"{'vacuum':>6}"]
         for w in self.windows:
             lines.append(
                 f"{w.start:>6.0f}s {w.phase:<5} {w.enqueued_per_s:>8,.0f} {w.run_per_s:>8,.0f} "
                 f"{_num(w.pickup_p50_ms, 1):>7} {_num(w.pickup_p95_ms, 1):>7} {_num(w.pickup_p99_ms, 1):>7} "
                 f"{w.pending:>8,} {_mb(w.table_bytes):>8} {_mb(w.index_bytes):>8} {_num(w.dead_tuples, 0):>9} "
                 f"{_num(None if w.hot_update_share is None else 100 * w.hot_update_share, 0):>6} "
-                f"{_num(w.autovacuum_runs, 0):>7}")
+                f"{_num(w.autovacuum_runs, 0):>7} {_num(w.vacuum_runs, 0):>6}")
         lines.append("summary: " + ", ".join(f"{k} {_num(v, 1)}" for k, v in s.items()))
+        if t.get("server_autovacuum") == "off":
+            lines.append("note: the server runs with autovacuum = off: nothing reclaims dead rows unless "
+                         "--soak-vacuum does")
         if not self.complete:
             lines.append("INCOMPLETE: not every enqueued job ran exactly once (see the totals above)")
         return "\n".join(lines)
@@ -175,10 +180,10 @@ def plot(reports: dict[str, SoakReport], path: Path) -> str | None:
             axes[3].plot(x, [(w.index_bytes or 0) / 1e6 for w in ws], color=colour, linestyle="--",
                          label=f"{system} indexes MB")
             dead_axis.plot(x, [w.dead_tuples or 0 for w in ws], color=colour, linestyle=":", alpha=0.8)
-            vacuums = [xi for xi, w in zip(x, ws, strict=True) if w.autovacuum_runs]
+            vacuums = [xi for xi, w in zip(x, ws, strict=True) if w.autovacuum_runs or w.vacuum_runs]
             for i, xi in enumerate(vacuums):
                 axes[3].axvline(xi, color=colour, alpha=0.3, linewidth=3,
-                                label=f"{system} autovacuum ran" if i == 0 else None)
+                                label=f"{system} (auto)vacuum ran" if i == 0 else None)
         if report.settings.get("seconds"):
             for ax in axes:
                 ax.axvline(report.settings["seconds"], color=colour, linestyle="-.", alpha=0.4)

@@ -261,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window", default="10s", metavar="DURATION", help="with --soak: the reporting window")
     p.add_argument("--soak-prune", default="60s", metavar="AGE",
                    help="with --soak: delete finished jobs older than AGE every second, or 'none' to keep them")
+    p.add_argument("--soak-vacuum", default="none", metavar="EVERY",
+                   help="with --soak on PostgreSQL: VACUUM the jobs table every EVERY (e.g. 10s), for a server "
+                        "whose autovacuum is off or too slow; 'none' leaves it to autovacuum")
     p.add_argument("--drain-timeout", default="120s", metavar="DURATION",
                    help="with --soak: how long the workers may take to drain what is left after DURATION")
     p.add_argument("--storage", metavar="NAME=VALUE,...",

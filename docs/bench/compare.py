@@ -372,6 +372,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--soak-prune", default="60s",
                    help="with --soak: sqla-jobs deletes finished jobs older than this (default 60s; pgqueuer "
                         "deletes each job as it finishes)")
+    p.add_argument("--soak-vacuum", default="none",
+                   help="with --soak: VACUUM each system's queue table every this often (e.g. 10s), for a server "
+                        "whose autovacuum is off; 'none' leaves it to autovacuum (default)")
     p.add_argument("--out", default="soak-results", help="with --soak: where compare-soak.json/.csv/.png go")
     p.add_argument("--sqla-jobs-soak", default="2x64", help="with --soak: PROCESSESxTHREADS (default 2x64)")
     p.add_argument("--pgqueuer-soak", default="2x200", help="with --soak: PROCESSESxBATCH_SIZE (default 2x200)")

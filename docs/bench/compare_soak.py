@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from sqla_jobs._durations import parse_duration
 from sqla_jobs._soak_report import SoakReport, write_outputs
 
 
@@ -25,7 +26,7 @@ def _sqla_jobs(args: argparse.Namespace, plumbing: ModuleType) -> SoakReport:
         cmd = [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "WARNING", "bench", "--url", args.url,
                "--soak", str(args.soak), "--rate", args.rate, "--window", str(args.window),
                "--processes", str(processes), "--concurrency", str(concurrency),
-               "--soak-prune", args.soak_prune, "--out", out, "--json"]
+               "--soak-prune", args.soak_prune, "--soak-vacuum", args.soak_vacuum, "--out", out, "--json"]
         plumbing.say(f"  sqla-jobs bench --soak {args.soak:g} --rate {args.rate}, {processes} x {concurrency}")
         result = plumbing.run_child(cmd, args.soak + args.child_timeout,
                                     lambda pid: plumbing.drop_schema(plumbing.libpq_dsn(args.url),
@@ -41,6 +42,8 @@ def _pgqueuer(args: argparse.Namespace, plumbing: ModuleType, python: str) -> So
         cmd = [python, str(plumbing.HERE / "soak_pgqueuer.py"), "--dsn", dsn, "--schema", schema,
                "--soak", str(args.soak), "--rate", args.rate, "--window", str(args.window),
                "--processes", str(processes), "--batch-size", str(batch)]
+        if args.soak_vacuum != "none":
+            cmd += ["--vacuum-every", str(parse_duration(args.soak_vacuum))]
         return SoakReport.from_dict(plumbing.run_child(cmd, args.soak + args.child_timeout))
 
 

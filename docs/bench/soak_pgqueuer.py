@@ -125,7 +125,8 @@ async def sample(conn: Any, phase: str) -> dict[str, Any]:
     row = await conn.fetchrow(
         "SELECT pg_relation_size(relid) AS table_bytes, pg_indexes_size(relid) AS index_bytes, "
         "n_live_tup AS live_tuples, n_dead_tup AS dead_tuples, "
-        "n_tup_hot_upd::float8 / NULLIF(n_tup_upd, 0) AS hot_update_share, autovacuum_count, autoanalyze_count "
+        "n_tup_hot_upd::float8 / NULLIF(n_tup_upd, 0) AS hot_update_share, autovacuum_count, autoanalyze_count, "
+        "vacuum_count, (current_setting('autovacuum') = 'on')::int AS autovacuum_on "
         "FROM pg_stat_user_tables WHERE relid = to_regclass($1)", table)
     figures = {k: float(v) for k, v in dict(row or {}).items() if v is not None}
     return {"phase": phase, "pending": int(counts.get("queued", 0)), "running": int(counts.get("picked", 0)),
@@ -159,6 +160,7 @@ def windows(samples: list[dict[str, Any]], baseline: dict[str, float], tally: Ta
             "hot_update_share": f.get("hot_update_share"),
             "autovacuum_runs": f.get("autovacuum_count", 0) - previous.get("autovacuum_count", 0),
             "autoanalyze_runs": f.get("autoanalyze_count", 0) - previous.get("autoanalyze_count", 0),
+            "vacuum_runs": f.get("vacuum_count", 0) - previous.get("vacuum_count", 0),
         })
         previous = f
     return out
@@ -174,6 +176,8 @@ async def amain() -> None:
     p.add_argument("--batch-size", type=int, default=200)
     p.add_argument("--window", type=float, default=10.0)
     p.add_argument("--drain-timeout", type=float, default=120.0)
+    p.add_argument("--vacuum-every", type=float, default=None,
+                   help="VACUUM the queue table every this many seconds (as sqla-jobs' --soak-vacuum)")
     args = p.parse_args()
     rate = None if args.rate == "max" else float(args.rate)
     conn = await connect(args.dsn, args.schema)
@@ -209,6 +213,20 @@ async def amain() -> None:
     baseline = (await sample(monitor, "soak"))["figures"]
     stop = asyncio.Event()
     producer = asyncio.create_task(produce(queries, rate, tally, stop))
+    vacuums = 0
+
+    async def vacuum() -> None:
+        nonlocal vacuums
+        vacuumer = await connect(args.dsn, args.schema)
+        try:
+            while True:
+                await asyncio.sleep(args.vacuum_every)
+                await vacuumer.execute(f"VACUUM {db_settings().queue_table}")
+                vacuums += 1
+        finally:
+            await vacuumer.close()
+
+    vacuum_task = asyncio.create_task(vacuum()) if args.vacuum_every else None
     samples: list[dict[str, Any]] = []
     drained_at = None
     index = 0
@@ -234,6 +252,8 @@ async def amain() -> None:
                     break
     finally:
         stop.set()
+        if vacuum_task:
+            vacuum_task.cancel()
         for proc in procs:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
@@ -250,11 +270,13 @@ async def amain() -> None:
     emit({
         "system": f"pgqueuer {VERSION}",
         "settings": {"seconds": args.soak, "rate": rate, "processes": args.processes, "batch_size": args.batch_size,
-                     "window": args.window, "prune_after": None},
+                     "window": args.window, "prune_after": None,
+                     "vacuum_every": args.vacuum_every},
         "totals": {"enqueued": tally.sent, "run": tally.unique, "missing": tally.sent - tally.unique,
                    "duplicates": tally.duplicates, "pending_left": last["pending"], "running_left": last["running"],
                    "dead": 0, "pruned": 0, "soak_seconds": args.soak, "drained_after_seconds": drained_at,
-                   "enqueue_rate": tally.sent / args.soak},
+                   "enqueue_rate": tally.sent / args.soak, "vacuums": vacuums,
+                   "server_autovacuum": {1.0: "on", 0.0: "off"}.get(baseline.get("autovacuum_on", -1.0))},
         "windows": windows(samples, baseline, tally, origin, args.window),
     })
 

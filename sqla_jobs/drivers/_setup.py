@@ -134,6 +134,10 @@ class Setup:
         backend cannot tell is left out (nothing by default)."""
         return {}
 
+    def bench_vacuum(self, conn: Connection) -> None:
+        """Reclaim the jobs table's dead rows now, as autovacuum would (``conn`` in autocommit)."""
+        raise ConfigError(f"--soak-vacuum: {self.name} has no VACUUM of one table (it is PostgreSQL's)")
+
     def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
         """Set the jobs table's storage parameters (``fillfactor``, ``autovacuum_*``) for a bench run."""
         raise ConfigError(f"--storage: {self.name} has no table storage parameters (they are PostgreSQL's)")

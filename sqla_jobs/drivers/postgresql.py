@@ -296,10 +296,14 @@ class PostgreSQLDriver(Driver):
             "SELECT pg_relation_size(s.relid) AS table_bytes, pg_indexes_size(s.relid) AS index_bytes, "
             "s.n_live_tup AS live_tuples, s.n_dead_tup AS dead_tuples, "
             "s.n_tup_hot_upd::float8 / NULLIF(s.n_tup_upd, 0) AS hot_update_share, "
-            "s.autovacuum_count, s.autoanalyze_count, s.vacuum_count, s.n_tup_upd AS updates "
+            "s.autovacuum_count, s.autoanalyze_count, s.vacuum_count, s.n_tup_upd AS updates, "
+            "(current_setting('autovacuum') = 'on')::int AS autovacuum_on "
             "FROM pg_stat_user_tables AS s WHERE s.relid = to_regclass(:target)"
         ), {"target": _pg_name(self.jobs)}).mappings().first()
         return {k: float(v) for k, v in row.items() if v is not None} if row else {}
+
+    def bench_vacuum(self, conn: Connection) -> None:
+        conn.execute(text(f"VACUUM {_pg_name(self.jobs)}"))
 
     def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
         preparer = postgresql.dialect().identifier_preparer
