@@ -383,6 +383,8 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
         totals={
             "enqueued": tally.sent, "run": unique, "missing": tally.sent - unique, "duplicates": tally.duplicates,
             "pending_left": pending, "running_left": running, "dead": dead, "pruned": tally.pruned,
+            "vacuums": tally.vacuums,
+            "server_autovacuum": {None: None, 1.0: "on", 0.0: "off"}[baseline.get("autovacuum_on")],
             "soak_seconds": settings.seconds, "drained_after_seconds": drained_at,
             "enqueue_rate": tally.sent / settings.seconds if settings.seconds else 0.0,
         },
