@@ -14,7 +14,8 @@ import json
 import uuid
 from typing import Any
 
-from sqlalchemy import Connection, create_engine
+import pytest
+from sqlalchemy import Connection
 
 from tests import app
 from tests.conftest import Database
@@ -48,13 +49,19 @@ def claim(conn: Connection, limit: int) -> Any:
     return jobs
 
 
-def test_the_claim_walks_the_pending_index_with_a_backlog_the_statistics_do_not_know(pg: Database) -> None:
+@pytest.mark.parametrize("autocommit", [True, False], ids=["the worker's autocommit connection", "a transaction"])
+def test_the_claim_walks_the_pending_index_with_a_backlog_the_statistics_do_not_know(
+    pg: Database, autocommit: bool
+) -> None:
     """A young table, never analyzed, then a backlog: by default PostgreSQL expects a few pending rows,
     reads all 30,000 through a bitmap scan and sorts them, to lock 64 (the drain's first claims)."""
     app.queue.create_tables(pg.engine)
     enqueue_backlog(pg)
     with pg.engine.connect() as conn:
         plans = explain_what_runs(conn)
+        conn.commit()
+        if autocommit:
+            conn = conn.execution_options(isolation_level="AUTOCOMMIT")
         jobs = claim(conn, 64)
     assert len(jobs) == 64
     (plan,) = [p for p in plans if "CTE due" in p]
@@ -64,19 +71,27 @@ def test_the_claim_walks_the_pending_index_with_a_backlog_the_statistics_do_not_
     assert "rows=64 loops=1" in due.split("LockRows")[1].splitlines()[0]  # it stopped at the limit
 
 
-def test_the_planner_settings_stay_on_the_claiming_connection(pg: Database) -> None:
-    """A connection back in the pool plans as before: the user's queries never see the claim's settings."""
+def test_the_planner_settings_end_with_the_claim(pg: Database) -> None:
+    """The claim's settings are its transaction's alone: the connection plans as before afterwards, the
+    user's own settings included (behind PgBouncer a session setting would reach other clients)."""
     app.queue.create_tables(pg.engine)
     enqueue_backlog(pg)
-    engine = create_engine(pg.url, pool_size=1, max_overflow=0)
-    try:
-        with engine.connect() as conn:
-            claim(conn, 5)
-            assert conn.exec_driver_sql("SHOW enable_bitmapscan").scalar() == "off"
-        with engine.connect() as conn:  # the same connection, from the pool
-            assert conn.exec_driver_sql("SHOW enable_bitmapscan").scalar() == "on"
-            assert conn.exec_driver_sql("SHOW enable_seqscan").scalar() == "on"
-            claim(conn, 5)  # and the claim sets them again
-            assert conn.exec_driver_sql("SHOW enable_seqscan").scalar() == "off"
-    finally:
-        engine.dispose()
+
+    def settings(conn: Connection) -> tuple[str, str]:
+        return (conn.exec_driver_sql("SHOW enable_bitmapscan").scalar(),
+                conn.exec_driver_sql("SHOW enable_seqscan").scalar())
+
+    with pg.engine.connect() as conn:
+        hot = conn.execution_options(isolation_level="AUTOCOMMIT")
+        assert len(claim(hot, 5)) == 5
+        assert settings(hot) == ("on", "on")
+    with pg.engine.connect() as conn:
+        conn.exec_driver_sql("SET enable_seqscan = off")  # the user's, for the session
+        driver = app.queue.driver(conn)
+        jobs, _ = driver.claim_batch(conn, 5, "plan-test", uuid.uuid4().hex, 60.0, None, False)
+        assert len(jobs) == 5
+        assert settings(conn) == ("on", "off")  # inside the same transaction: as they were before the claim
+        conn.commit()
+        assert settings(conn) == ("on", "off")
+        conn.exec_driver_sql("RESET enable_seqscan")
+        conn.commit()

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
+from psycopg import pq as psycopg_pq
 from sqlalchemy import (
     DDL,
     Connection,
@@ -101,29 +102,42 @@ WHERE isolate AND id NOT IN (SELECT id FROM alone)
 
 
 # The claim must walk ix_<table>_pending in claim order and stop after `limit` rows. The planner
-# takes that plan only when its statistics say the backlog is large, and a queue table's rarely do:
-# ANALYZE mostly sees finished rows (a new table: nothing), so it expects a handful of pending jobs,
-# reads every pending row through a bitmap scan and sorts them all (FOR UPDATE sits between LIMIT
-# and the sort, so no top-N sort): a claim then costs O(backlog), 110 ms at 100,000 pending jobs,
-# and a backlog drains ever more slowly the larger it is. PostgreSQL has no per-statement hints, so
-# the worker's connection turns off the two plans that read every candidate row. That connection
-# runs only the hot statements, each by primary key or by a partial index; the settings are reset
-# when it goes back to the pool (_reset_claim_planner).
-_CLAIM_PLANNER_FLAG = "sqla_jobs.claim_planner"
-_CLAIM_PLANNER = "SELECT set_config('enable_bitmapscan', 'off', false), set_config('enable_seqscan', 'off', false)"
-_CLAIM_PLANNER_RESET = "RESET enable_bitmapscan; RESET enable_seqscan"
+# takes that plan only when its statistics say the backlog is large, and a queue table's often do
+# not (a young table has none; stale ones saw an idle queue): it then reads every pending row
+# through a bitmap scan and sorts them all (FOR UPDATE sits between LIMIT and the sort, so no top-N
+# sort), and a claim costs O(backlog): 110 ms at 100,000 pending jobs. PostgreSQL has no
+# per-statement hints, so the claim's transaction turns off the two plans that read every
+# candidate row, with SET LOCAL semantics (set_config(..., true)): nothing outlives the claim's
+# transaction, not even behind PgBouncer in transaction mode, where a session setting would reach
+# other clients. On the worker's autocommit connection BEGIN, the settings, the claim and COMMIT
+# go in one pipeline: still one network round trip.
+_CLAIM_PLANNER = ("SELECT current_setting('enable_bitmapscan'), current_setting('enable_seqscan'), "
+                  "set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true)")
+_CLAIM_PLANNER_RESTORE = "SELECT set_config('enable_bitmapscan', %s, true), set_config('enable_seqscan', %s, true)"
 
 
-def _reset_claim_planner(dbapi_connection: Any, record: Any) -> None:
-    """Pool checkin: a connection that ran the claim gets the default planner back before anyone else."""
-    if dbapi_connection is None or not record.info.pop(_CLAIM_PLANNER_FLAG, False):
-        return
-    try:
-        with dbapi_connection.cursor() as cursor:
-            cursor.execute(_CLAIM_PLANNER_RESET)
-        dbapi_connection.commit()
-    except Exception:
-        record.invalidate()  # the pool replaces it: nothing keeps the settings
+def _run_claim(raw: Any, sql: str, params: dict[str, Any]) -> list[Any]:
+    """The claim statement's rows, planned with the settings above, on psycopg connection ``raw``."""
+    if raw.autocommit and hasattr(raw, "pipeline"):  # the worker's hot connection (psycopg 3): one round trip
+        with raw.cursor() as control, raw.cursor() as cursor:
+            try:
+                with raw.pipeline():
+                    control.execute("BEGIN")
+                    control.execute(_CLAIM_PLANNER)
+                    cursor.execute(sql, params)
+                    control.execute("COMMIT")
+            except Exception:
+                if raw.info.transaction_status != psycopg_pq.TransactionStatus.IDLE and not raw.closed:
+                    raw.execute("ROLLBACK")  # a failed statement left the transaction open: end it
+                raise
+            return cursor.fetchall()
+    with raw.cursor() as cursor:  # inside the caller's transaction: the settings are put back after
+        cursor.execute(_CLAIM_PLANNER)
+        before = cursor.fetchone()
+        cursor.execute(sql, params)
+        rows = cursor.fetchall()
+        cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1]))
+        return rows
 
 
 def _pg_name(table: Table) -> str:
@@ -394,17 +408,8 @@ class PostgreSQLDriver(Driver):
             # SQLAlchemy does not see what the driver cursor runs: without this its commit
             # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
             conn.begin()
-        pooled = conn.connection
         try:
-            with pooled.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
-                if not pooled.info.get(_CLAIM_PLANNER_FLAG):
-                    cursor.execute(_CLAIM_PLANNER)
-                    pooled.info[_CLAIM_PLANNER_FLAG] = True
-                    pool = conn.engine.pool
-                    if not event.contains(pool, "checkin", _reset_claim_planner):
-                        event.listen(pool, "checkin", _reset_claim_planner)
-                cursor.execute(sql, params)
-                rows = cursor.fetchall()
+            rows = _run_claim(conn.connection.driver_connection, sql, params)
         except Exception as exc:
             if isinstance(exc, conn.dialect.loaded_dbapi.Error):
                 raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
