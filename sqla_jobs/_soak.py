@@ -30,7 +30,6 @@ every enqueued job ran exactly once. Windows go to ``soak.json`` and
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
@@ -319,9 +318,10 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
              for r in readies]
     for p in procs:
         p.start()
-    for r in readies:
-        if not r.wait(60):
-            raise RuntimeError("a soak worker process did not start within 60 s")
+    if not all(r.wait(60) for r in readies):
+        for p in procs:
+            p.terminate()
+        raise RuntimeError("a soak worker process did not start within 60 s (see its traceback above)")
     time.sleep(0.5)  # let them reach their idle wait
     tally = _Tally()
     stop_producing, stop_pruning, stop_collecting = threading.Event(), threading.Event(), threading.Event()
@@ -422,6 +422,4 @@ def run_soak(args: argparse.Namespace) -> int:
         print(report.summary_text())
     for kind, path in files.items():
         print(f"wrote {kind}: {path}", file=sys.stderr)
-    with contextlib.suppress(Exception):
-        sys.stderr.flush()
     return 0 if report.complete else 1
