@@ -88,6 +88,10 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.soak is not None:
+        from ._soak import run_soak
+
+        return run_soak(args)
     from ._bench import run_bench
 
     return run_bench(args)
@@ -250,6 +254,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency-samples", type=int, default=200,
                    help="jobs enqueued one at a time to measure pickup latency")
     p.add_argument("--finished-rows", type=int, default=0, help="pre-fill with this many finished jobs")
+    p.add_argument("--soak", metavar="DURATION",
+                   help="instead of a burst: enqueue at --rate for DURATION (e.g. 300s, 5m) while workers drain, "
+                        "and report every --window")
+    p.add_argument("--rate", default="1000", metavar="JOBS_PER_S",
+                   help="with --soak: jobs enqueued per second, or 'max' for as fast as one producer can")
+    p.add_argument("--window", default="10s", metavar="DURATION", help="with --soak: the reporting window")
+    p.add_argument("--soak-prune", default="60s", metavar="AGE",
+                   help="with --soak: delete finished jobs older than AGE every second, or 'none' to keep them")
+    p.add_argument("--soak-vacuum", default="none", metavar="EVERY",
+                   help="with --soak on PostgreSQL: VACUUM the jobs table every EVERY (e.g. 10s), for a server "
+                        "whose autovacuum is off or too slow; 'none' leaves it to autovacuum")
+    p.add_argument("--drain-timeout", default="120s", metavar="DURATION",
+                   help="with --soak: how long the workers may take to drain what is left after DURATION")
+    p.add_argument("--storage", metavar="NAME=VALUE,...",
+                   help="with --soak on PostgreSQL: the jobs table's storage parameters, e.g. "
+                        "autovacuum_vacuum_scale_factor=0.01,fillfactor=70")
+    p.add_argument("--out", default="soak-results", metavar="DIR",
+                   help="with --soak: where soak.json, soak.csv and soak.png go")
     _json_flag(p, "the figures")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")

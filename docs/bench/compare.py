@@ -18,6 +18,10 @@ Run it with the interpreter that has sqla-jobs installed. It
    after it, whatever happened;
 3. prints one table of medians, and the ratios issue #4's targets are about.
 
+With ``--soak SECONDS --rate R`` it instead runs the soak (issue #11) of
+sqla-jobs (``sqla-jobs bench --soak``) and of pgqueuer (``soak_pgqueuer.py``),
+one after the other, and writes both into one JSON, CSV and plot (compare_soak.py).
+
 A peer that fails to install or to run is reported and left out; the others go
 on. See docs/bench/README.md for what each number means.
 """
@@ -361,6 +365,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PROCESSESxTHREADS settings for sqla-jobs bench (default %(default)s)")
     p.add_argument("--pgqueuer-drain", default=DEFAULT_DRAIN["pgqueuer"],
                    help="PROCESSESxBATCH_SIZE settings for pgqueuer (default %(default)s)")
+    p.add_argument("--soak", type=float, metavar="SECONDS",
+                   help="run the soak instead: each system takes --rate jobs/s for SECONDS (see compare_soak.py)")
+    p.add_argument("--rate", default="2000", help="with --soak: jobs per second, or 'max' (default 2000)")
+    p.add_argument("--window", type=float, default=10.0, help="with --soak: seconds per window (default 10)")
+    p.add_argument("--soak-prune", default="60s",
+                   help="with --soak: sqla-jobs deletes finished jobs older than this (default 60s; pgqueuer "
+                        "deletes each job as it finishes)")
+    p.add_argument("--soak-vacuum", default="none",
+                   help="with --soak: VACUUM each system's queue table every this often (e.g. 10s), for a server "
+                        "whose autovacuum is off; 'none' leaves it to autovacuum (default)")
+    p.add_argument("--out", default="soak-results", help="with --soak: where compare-soak.json/.csv/.png go")
+    p.add_argument("--sqla-jobs-soak", default="2x64", help="with --soak: PROCESSESxTHREADS (default 2x64)")
+    p.add_argument("--pgqueuer-soak", default="2x200", help="with --soak: PROCESSESxBATCH_SIZE (default 2x200)")
     p.add_argument("--procrastinate-drain", default=DEFAULT_DRAIN["procrastinate"],
                    help="PROCESSESxCONCURRENCY settings for procrastinate (default %(default)s)")
     return p
@@ -376,7 +393,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.jobs < 10 or args.runs < 1:
         say("--jobs must be at least 10 and --runs at least 1")
         return 2
-    for text in (args.sqla_jobs_drain, args.pgqueuer_drain, args.procrastinate_drain):
+    if args.soak is not None:
+        peers = [p for p in peers if p == "pgqueuer"]  # the soak has a pgqueuer side only
+    for text in (args.sqla_jobs_drain, args.pgqueuer_drain, args.procrastinate_drain, args.sqla_jobs_soak,
+                 args.pgqueuer_soak):
         parse_settings(text)
     dsn = libpq_dsn(args.url)
     try:
@@ -411,6 +431,16 @@ def main(argv: list[str] | None = None) -> int:
                 systems[peer].error = f"could not create the virtualenv {venv_path}: {exc}"
             say(f"could not create the virtualenv {venv_path}: {exc} (continuing without the peers)")
         peer_python = str(venv_python(venv_path))
+
+    if args.soak is not None:
+        sys.path.insert(0, str(HERE))  # compare.py may have been loaded by path (the tests do)
+        import compare_soak
+
+        try:
+            return compare_soak.run(args, sys.modules[__name__], peer_python if peers else None, peers)
+        finally:
+            if temp_dir:
+                shutil.rmtree(temp_dir, ignore_errors=True)
 
     try:
         for run in range(args.runs):

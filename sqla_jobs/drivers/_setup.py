@@ -18,6 +18,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.functions import FunctionElement
 
+from ..errors import ConfigError
+
 __all__ = ["DatabaseNow", "GeneratedColumn", "IndexDefinition", "Setup", "index_dialects"]
 
 
@@ -140,6 +142,20 @@ class Setup:
         """Whether ``exc`` says the transaction lost a race with another one (a deadlock, a
         serialization failure): nothing is wrong, and running the transaction again is the cure."""
         return isinstance(exc, DBAPIError) and getattr(exc.orig, "sqlstate", None) in {"40001", "40P01"}
+
+    def bench_table_stats(self, conn: Connection) -> dict[str, float]:
+        """The jobs table's size and churn as the soak plots them (``table_bytes``, ``index_bytes``,
+        ``live_tuples``, ``dead_tuples``, ``hot_update_share``, ``autovacuum_count``, ...); what the
+        backend cannot tell is left out (nothing by default)."""
+        return {}
+
+    def bench_vacuum(self, conn: Connection) -> None:
+        """Reclaim the jobs table's dead rows now, as autovacuum would (``conn`` in autocommit)."""
+        raise ConfigError(f"--soak-vacuum: {self.name} has no VACUUM of one table (it is PostgreSQL's)")
+
+    def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
+        """Set the jobs table's storage parameters (``fillfactor``, ``autovacuum_*``) for a bench run."""
+        raise ConfigError(f"--storage: {self.name} has no table storage parameters (they are PostgreSQL's)")
 
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
         """Insert ``rows`` old finished jobs, as an unpruned queue has (the bench's background)."""

@@ -55,6 +55,7 @@ from . import pg_keepalive
 from ._setup import GeneratedColumn
 from ._unique import on_conflict_insert
 from .base import Claimed, Driver, Fence, IndexDefinition
+from .pg_claim import run_claim
 from .pg_listen import PgListener
 
 __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_trigger_name"]
@@ -279,6 +280,30 @@ class PostgreSQLDriver(Driver):
         ), {"n": rows})
         conn.execute(text(f"ANALYZE {_pg_name(self.jobs)}"))
 
+    def bench_table_stats(self, conn: Connection) -> dict[str, float]:
+        # The statistics collector's counters reach pg_stat_user_tables within a second or so.
+        row = conn.execute(text(
+            "SELECT pg_relation_size(s.relid) AS table_bytes, pg_indexes_size(s.relid) AS index_bytes, "
+            "s.n_live_tup AS live_tuples, s.n_dead_tup AS dead_tuples, "
+            "s.n_tup_hot_upd::float8 / NULLIF(s.n_tup_upd, 0) AS hot_update_share, "
+            "s.autovacuum_count, s.autoanalyze_count, s.vacuum_count, s.n_tup_upd AS updates, "
+            "(current_setting('autovacuum') = 'on')::int AS autovacuum_on "
+            "FROM pg_stat_user_tables AS s WHERE s.relid = to_regclass(:target)"
+        ), {"target": _pg_name(self.jobs)}).mappings().first()
+        return {k: float(v) for k, v in row.items() if v is not None} if row else {}
+
+    def bench_vacuum(self, conn: Connection) -> None:
+        conn.execute(text(f"VACUUM {_pg_name(self.jobs)}"))
+
+    def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
+        preparer = postgresql.dialect().identifier_preparer
+        settings = []
+        for name, value in parameters.items():
+            if not name.replace("_", "").isalnum() or not value.replace(".", "").replace("_", "").isalnum():
+                raise ConfigError(f"--storage: {name}={value} is not a storage parameter (e.g. fillfactor=70)")
+            settings.append(f"{preparer.quote(name)} = {value}")
+        conn.execute(text(f"ALTER TABLE {_pg_name(self.jobs)} SET ({', '.join(settings)})"))
+
     def harden(self, engine: Engine, worker_name: str) -> None:
         pg_keepalive.harden(engine, worker_name)  # keepalives, timeouts, application_name
 
@@ -360,9 +385,7 @@ class PostgreSQLDriver(Driver):
             # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
             conn.begin()
         try:
-            with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
-                cursor.execute(sql, params)
-                rows = cursor.fetchall()
+            rows = run_claim(conn.connection.driver_connection, sql, params)
         except Exception as exc:
             if isinstance(exc, conn.dialect.loaded_dbapi.Error):
                 raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc

@@ -26,6 +26,7 @@ from typing import Any
 from sqlalchemy import Connection, DateTime, Engine, Table, func, select, text, type_coerce, update
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._unique import on_conflict_insert
@@ -113,6 +114,17 @@ class SQLiteDriver(Driver):
             for suffix in ("", "-wal", "-shm"):
                 if os.path.exists(path + suffix):
                     os.remove(path + suffix)
+
+    def bench_table_stats(self, conn: Connection) -> dict[str, float]:
+        # dbstat is compiled into most builds; without it the soak plots no sizes.
+        names = [row[0] for row in conn.execute(
+            text("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = :t"), {"t": self.jobs.name})]
+        try:
+            sizes = dict(conn.execute(text("SELECT name, sum(pgsize) FROM dbstat GROUP BY name")).all())
+        except DBAPIError:
+            return {}
+        return {"table_bytes": float(sizes.get(self.jobs.name, 0)),
+                "index_bytes": float(sum(sizes.get(name, 0) for name in names))}
 
     # -- time and transactions -------------------------------------------------------
 
