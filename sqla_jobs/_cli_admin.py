@@ -186,12 +186,16 @@ def _show(row: Any, state: str, as_json: bool) -> None:
         return
     errors = data.pop("errors", None) or []
     payload = data.pop("payload", None)
-    width = max(len(k) for k in data)
+    # JSON documents, printed as JSON after the plain columns (a dead job has neither of the last two).
+    documents = {"payload": payload, **{k: data.pop(k) for k in ("progress", "result") if k in data}}
+    width = max(len(k) for k in [*data, *documents])
     for key, value in data.items():
         if key == "last_error" and value and "\n" in str(value):
             value = str(value).splitlines()[0] + " …"
         print(f"{key:<{width}}  {'' if value is None else value}")
-    print(f"{'payload':<{width}}  {json.dumps(payload, indent=2, default=str)}")
+    for key, value in documents.items():
+        shown = "" if value is None and key != "payload" else json.dumps(value, indent=2, default=str)
+        print(f"{key:<{width}}  {shown}")
     print(f"errors ({len(errors)}):" if errors else "errors: none")
     for entry in errors:
         print(f"  attempt {entry.get('attempt')} at {entry.get('at')}: {entry.get('error')}")

@@ -43,6 +43,7 @@ from sqlalchemy import (
 from sqlalchemy.schema import CreateIndex
 from sqlalchemy.sql.elements import ColumnElement
 
+from ._flow import Flow
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
 
@@ -113,7 +114,7 @@ class Listener(Protocol):
     def stop(self) -> None: ...
 
 
-class Driver(Setup, Operations):
+class Driver(Setup, Operations, Flow):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
