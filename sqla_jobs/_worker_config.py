@@ -58,6 +58,8 @@ class WorkerConfig:
         def bad(setting: str, rule: str, value: object) -> ConfigError:
             return ConfigError(f"{setting} must be {rule}, got {value!r}")
 
+        if self.queue_slots is not None:
+            self._check_slots()  # first: a bad slot count is what to report, not the sum it makes
         if self.concurrency < 1:
             raise ConfigError(f"concurrency must be at least 1, got {self.concurrency!r}")
         if not self.lease > 0:
@@ -78,8 +80,6 @@ class WorkerConfig:
         if self.queues is not None:
             # A list from a caller is fine; kept as a tuple so the config stays hashable and picklable.
             object.__setattr__(self, "queues", tuple(self.queues) or None)
-        if self.queue_slots is not None:
-            self._check_slots()
         object.__setattr__(self, "heartbeat_every", heartbeat)
         name = (self.name.replace("{pid}", str(os.getpid())) if self.name
                 else f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}")

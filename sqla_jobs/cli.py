@@ -283,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     _job_id(p, "the job's id (a dead job's too)")
     _json_flag(p, "the job")
     p.set_defaults(func=cmd_jobs_show)
-    p = jsub.add_parser("cancel", help="a pending job never runs; a running one is cancelled at its end")
+    p = jsub.add_parser("cancel", help="a pending job never runs; a running one is told to stop and ends cancelled")
     _common(p)
     _job_id(p, "the id of the job to cancel")
     p.set_defaults(func=cmd_jobs_cancel)
