@@ -48,7 +48,7 @@ def test_public_names_are_pinned() -> None:
 APP_METHODS = [
     "cancel", "check_job", "check_schema", "create_tables", "dashboard", "driver", "emit", "enqueue", "enqueue_many",
     "get_dead", "get_job", "handler", "list_dead", "list_jobs", "listens", "off", "on", "prune", "purge_dead",
-    "requeue_dead", "retry_delay", "retry_now", "stats", "unknown_kind_message",
+    "requeue_dead", "result", "retry_delay", "retry_now", "stats", "unknown_kind_message",
 ]
 
 
