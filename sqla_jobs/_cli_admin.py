@@ -81,6 +81,14 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
+def _short_json(value: Any, width: int = 30) -> str:
+    """A progress value on one table cell: its compact JSON, cut to ``width``."""
+    if value is None:
+        return ""
+    text = json.dumps(value, separators=(",", ":"), default=str)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def _first_line(text: str | None, width: int = 80) -> str:
     return (text or "").splitlines()[0][:width] if text else ""
 
@@ -171,9 +179,9 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
         return 0
     print_table(
         f"{len(rows)} job(s), newest first",
-        ["id", "kind", "queue", "state", "attempts", "run at", "last error"],
+        ["id", "kind", "queue", "state", "attempts", "run at", "progress", "last error"],
         [[str(r.id), r.kind, r.queue, r.state, f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
-          _first_line(r.last_error, 60)] for r in rows],
+          _short_json(r.progress), _first_line(r.last_error, 60)] for r in rows],
     )
     return 0
 
