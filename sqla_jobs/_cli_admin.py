@@ -177,11 +177,13 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
                 hint = f" (no job is in queue {args.queue!r}; queues in the table: {', '.join(names) or '(none)'})"
         print("no jobs match" + hint)
         return 0
+    # The progress column only when a listed job has one: most kinds never set it, and the table stays narrow.
+    progress = any(r.progress is not None for r in rows)
     print_table(
         f"{len(rows)} job(s), newest first",
-        ["id", "kind", "queue", "state", "attempts", "run at", "progress", "last error"],
+        ["id", "kind", "queue", "state", "attempts", "run at", *(["progress"] if progress else []), "last error"],
         [[str(r.id), r.kind, r.queue, r.state, f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
-          _short_json(r.progress), _first_line(r.last_error, 60)] for r in rows],
+          *([_short_json(r.progress)] if progress else []), _first_line(r.last_error, 60)] for r in rows],
     )
     return 0
 

@@ -241,6 +241,10 @@ class Control:
                     self._empty_until[queues[0]] = time.monotonic() + self.config.poll_interval
             self._start(jobs)
             claimed += len(jobs)
+            if waiting or any(job.isolated for job in jobs):
+                # A job that runs alone was claimed, or waits for the worker to drain: no other
+                # queue's claim this turn (nor later, see _should_claim).
+                break
         if isolated_waiting is not None:
             self._isolation_wanted = isolated_waiting
         if write:

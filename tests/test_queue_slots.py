@@ -112,3 +112,19 @@ def test_bad_slots_in_python(db: Database) -> None:
         Worker(db.engine, queue, queues={"a": 2, "b": 1}, concurrency=2)
     worker = Worker(db.engine, queue, queues={"a": 2, "b": 1})
     assert (worker.concurrency, worker.queues, worker.config.slots) == (3, ("a", "b"), {"a": 2, "b": 1})
+
+
+def test_a_job_that_must_run_alone_runs_alone_with_slots(db: Database) -> None:
+    """A job whose last worker was lost runs alone in its process (docs/guarantees.md), whichever
+    queue's slots it comes through: no job of another queue runs beside it."""
+    from sqlalchemy import update
+
+    [alone] = enqueue_in(db, "a", "sleep", 1, seconds=0.5)  # "a" is claimed first in a turn
+    others = enqueue_in(db, "a", "sleep", 3, seconds=0.3) + enqueue_in(db, "b", "sleep", 2, seconds=0.3)
+    with Session(db.engine) as session, session.begin():
+        session.execute(update(Job).where(Job.id == alone).values(isolate=True, priority=10))
+    Worker(db.engine, queue, queues={"a": 2, "b": 2}, poll_interval=0.05).run(burst=True, install_signals=False)
+    order = events(db, [alone, *others])
+    start, finish = order.index((alone, "start")), order.index((alone, "finish"))
+    assert finish == start + 1, order  # nothing started or finished while it ran
+    assert len(order) == 12

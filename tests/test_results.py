@@ -90,6 +90,9 @@ def test_progress_is_visible_while_the_job_runs(db: Database, tmp_path: Path) ->
         shown = run_cli("jobs", "show", str(job_id), *APP, env=db.env())
         assert shown.returncode == 0, shown.stderr
         assert '"done": 1' in shown.stdout and "progress" in shown.stdout
+        listed = run_cli("jobs", "list", "--state", "running", *APP, env=db.env(COLUMNS="200"))
+        assert listed.returncode == 0, listed.stderr
+        assert "progress" in listed.stdout and '{"done":1,"total":2}' in listed.stdout, listed.stdout
     finally:
         marker.touch()
         thread.join(60)
