@@ -154,7 +154,8 @@ class Control:
         )
 
     def _should_claim(self) -> bool:
-        """Claim in batches: when at least half the threads are free, or all are idle.
+        """Claim in batches: when at least half the threads are free, or all are idle (with
+        per-queue slots, the same per queue, in ``_claims_due``).
 
         Nothing while an isolated job runs; nothing but an isolated job once one
         is waiting, so the worker drains and then claims it alone.
@@ -168,6 +169,8 @@ class Control:
             self._isolated = None
         if self._isolation_wanted and self.executor.live_count:
             return False
+        if self.config.queue_slots is not None:
+            return True  # the half-free rule is per queue then: see _claims_due
         free = self.config.concurrency - len(running)
         return free > 0 and (free * 2 >= self.config.concurrency or not self.executor.live_count)
 

@@ -54,6 +54,10 @@ class _ClaimLost(Exception):
     """The job's row was no longer ours when its transactional handler tried to finish it."""
 
 
+class InvalidResult(Exception):
+    """A handler returned a value that cannot be stored as its job's result (the payload rules)."""
+
+
 class _CancelBeforeCommit(Exception):
     """A cancel request reached a transactional run before its commit: its writes are rolled back."""
 
@@ -327,14 +331,21 @@ class Executor:
             return done  # cancelled on request: neither is stored
         if value is not None:
             try:
-                # Stored as checked: a decoded copy, so later changes to the handler's object do not leak in.
-                done.value = json.loads(encode_value(value, self._result_limit, "the handler's return value"))
-            except InvalidJob as exc:
+                done.value = self._checked_result(value)
+            except InvalidResult as exc:
                 done.result, done.error = "error", f"InvalidResult: {exc}"
                 return done
         if self.progress and self.progress.pop(run.job.fence, None) is not None:
             done.progress = run.ctx.progress
         return done
+
+    def _checked_result(self, value: Any) -> Any:
+        """``value`` as it will be stored: checked by the payload rules, and a decoded copy, so changes
+        the handler makes to its object later do not leak in. InvalidResult names what is wrong."""
+        try:
+            return json.loads(encode_value(value, self._result_limit, "the handler's return value"))
+        except InvalidJob as exc:
+            raise InvalidResult(str(exc)) from None
 
     def _failed(self, run: Run, failed: Outcome, exc: BaseException, dropped: set[Any]) -> Outcome:
         """The handler raised: an error, or an outage if a connection to the queue database dropped
@@ -355,9 +366,7 @@ class Executor:
             try:
                 value = run.handler.fn(run.job.payload)
                 session.flush()
-                result = None
-                if value is not None:
-                    result = json.loads(encode_value(value, self._result_limit, "the handler's return value"))
+                result = None if value is None else self._checked_result(value)
                 progress = run.ctx.progress if self.progress.pop(run.job.fence, None) is not None else None
                 conn = session.connection()
                 if result is not None or progress is not None:

@@ -258,6 +258,14 @@ def answer_tx(payload: dict[str, Any]) -> Any:
     return {"committed_with": job.id}
 
 
+@queue.handler("answer_tx_bad", transactional=True)
+def answer_tx_bad(payload: dict[str, Any]) -> Any:
+    job = current_job()
+    assert job.session is not None
+    job.session.add(Once(job_id=job.id))
+    return {1, 2}
+
+
 @queue.handler("bad_result")
 def bad_result(payload: dict[str, Any]) -> Any:
     return {"when": datetime(2026, 1, 1)}

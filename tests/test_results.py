@@ -64,6 +64,12 @@ def test_a_value_json_cannot_store_fails_the_run_with_a_clear_error(db: Database
         dead = queue.get_dead(session, job_id)
     assert dead.last_error.startswith("InvalidResult: the handler's return value['when'] is a datetime")
     assert "isoformat" in dead.last_error
+    # A transactional handler's bad value fails the same way, and its writes roll back.
+    tx = enqueue(db, "answer_tx_bad", max_attempts=1)
+    burst(db)
+    with Session(db.engine) as session:
+        assert queue.get_dead(session, tx).last_error.startswith("InvalidResult: the handler's return value is a set")
+        assert session.scalar(select(func.count()).select_from(Once).where(Once.job_id == tx)) == 0
 
 
 def test_a_result_over_the_limit_is_refused(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
