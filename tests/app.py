@@ -237,7 +237,7 @@ def kill_own_backend(payload: dict[str, Any]) -> None:
 # -- results, progress and cancelling a running job (docs/howto/results.md, cancelling.md) -----------------
 
 
-@queue.handler("answer")
+@queue.handler("result_value")
 def answer(payload: dict[str, Any]) -> Any:
     """Returns ``payload["value"]`` (None when absent), after setting each of ``payload["progress"]``."""
     for step in payload.get("progress", []):
@@ -245,12 +245,12 @@ def answer(payload: dict[str, Any]) -> Any:
     return payload.get("value")
 
 
-@queue.handler("answer_async")
+@queue.handler("result_async")
 async def answer_async(payload: dict[str, Any]) -> Any:
     return {"async": payload.get("value")}
 
 
-@queue.handler("answer_tx", transactional=True)
+@queue.handler("result_tx", transactional=True)
 def answer_tx(payload: dict[str, Any]) -> Any:
     job = current_job()
     assert job.session is not None
@@ -258,7 +258,7 @@ def answer_tx(payload: dict[str, Any]) -> Any:
     return {"committed_with": job.id}
 
 
-@queue.handler("answer_tx_bad", transactional=True)
+@queue.handler("result_tx_bad", transactional=True)
 def answer_tx_bad(payload: dict[str, Any]) -> Any:
     job = current_job()
     assert job.session is not None
@@ -266,7 +266,7 @@ def answer_tx_bad(payload: dict[str, Any]) -> Any:
     return {1, 2}
 
 
-@queue.handler("bad_result")
+@queue.handler("result_bad")
 def bad_result(payload: dict[str, Any]) -> Any:
     return {"when": datetime(2026, 1, 1)}
 

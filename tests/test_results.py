@@ -25,11 +25,11 @@ def result(db: Database, job_id: int) -> Any:
 
 def test_a_returned_value_is_stored_and_read_back(db: Database) -> None:
     value = {"total": 3, "items": ["a", "é", None], "ok": True, "ratio": 0.5}
-    answered = enqueue(db, "answer", payload={"value": value, "progress": [{"done": 1}, {"done": 2}]})
-    nothing = enqueue(db, "answer")
-    scalar = enqueue(db, "answer", payload={"value": 7})
-    asynchronous = enqueue(db, "answer_async", payload={"value": "x"})
-    transactional = enqueue(db, "answer_tx")
+    answered = enqueue(db, "result_value", payload={"value": value, "progress": [{"done": 1}, {"done": 2}]})
+    nothing = enqueue(db, "result_value")
+    scalar = enqueue(db, "result_value", payload={"value": 7})
+    asynchronous = enqueue(db, "result_async", payload={"value": "x"})
+    transactional = enqueue(db, "result_tx")
     burst(db, concurrency=4)
     assert result(db, answered) == value
     assert job_row(db, answered).progress == {"done": 2}  # the last value set, written with the finish
@@ -44,7 +44,7 @@ def test_a_returned_value_is_stored_and_read_back(db: Database) -> None:
 
 
 def test_result_errors_say_why(db: Database) -> None:
-    pending = enqueue(db, "answer")
+    pending = enqueue(db, "result_value")
     with Session(db.engine) as session:
         with pytest.raises(JobStateError, match=f"job {pending} is pending: it has no result yet"):
             queue.result(session, pending)
@@ -57,7 +57,7 @@ def test_result_errors_say_why(db: Database) -> None:
 
 
 def test_a_value_json_cannot_store_fails_the_run_with_a_clear_error(db: Database) -> None:
-    job_id = enqueue(db, "bad_result", max_attempts=1)
+    job_id = enqueue(db, "result_bad", max_attempts=1)
     burst(db)
     assert job_row(db, job_id) is None  # an ordinary failure: on its last attempt, a dead letter
     with Session(db.engine) as session:
@@ -65,7 +65,7 @@ def test_a_value_json_cannot_store_fails_the_run_with_a_clear_error(db: Database
     assert dead.last_error.startswith("InvalidResult: the handler's return value['when'] is a datetime")
     assert "isoformat" in dead.last_error
     # A transactional handler's bad value fails the same way, and its writes roll back.
-    tx = enqueue(db, "answer_tx_bad", max_attempts=1)
+    tx = enqueue(db, "result_tx_bad", max_attempts=1)
     burst(db)
     with Session(db.engine) as session:
         assert queue.get_dead(session, tx).last_error.startswith("InvalidResult: the handler's return value is a set")
@@ -74,7 +74,7 @@ def test_a_value_json_cannot_store_fails_the_run_with_a_clear_error(db: Database
 
 def test_a_result_over_the_limit_is_refused(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(queue.job_model, "max_result_bytes", 64)
-    job_id = enqueue(db, "answer", payload={"value": "x" * 100}, max_attempts=1)
+    job_id = enqueue(db, "result_value", payload={"value": "x" * 100}, max_attempts=1)
     burst(db)
     with Session(db.engine) as session:
         dead = queue.get_dead(session, job_id)
@@ -107,7 +107,7 @@ def test_progress_is_visible_while_the_job_runs(db: Database, tmp_path: Path) ->
 
 
 def test_jobs_show_prints_the_result(db: Database) -> None:
-    job_id = enqueue(db, "answer", payload={"value": {"rows": 12}})
+    job_id = enqueue(db, "result_value", payload={"value": {"rows": 12}})
     burst(db)
     shown = run_cli("jobs", "show", str(job_id), *APP, env=db.env())
     assert shown.returncode == 0, shown.stderr
