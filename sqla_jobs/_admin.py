@@ -152,7 +152,8 @@ class Admin(Generic[J]):
 
         Returns ``"cancelled"`` for a pending job (it will never run) or
         ``"requested"`` for a running one: ``cancelled_at`` is recorded, and
-        the worker running it tells its handler at its next heartbeat
+        the worker running it tells its handler at its next heartbeat (at once
+        on PostgreSQL, where the request notifies listening workers)
         (``current_job().cancelled`` is set, an async handler gets
         ``CancelledError``). From then on the job ends ``cancelled`` however
         the handler stops (it returns, raises, or ignores the request and runs

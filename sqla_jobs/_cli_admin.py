@@ -233,6 +233,7 @@ def cmd_jobs_cancel(args: argparse.Namespace) -> int:
         print(f"job {args.id} cancelled: it will not run")
     else:
         print(f"job {args.id} is running: cancel requested. Its worker tells the handler at its next heartbeat "
+              "(at once on PostgreSQL) "
               "(current_job().cancelled is set; an async handler gets CancelledError), and from then on the job "
               "ends cancelled however the handler stops, with no retry and no result kept. A handler that "
               "ignores it runs to its end (a worker never kills a thread) and the job still ends cancelled; "

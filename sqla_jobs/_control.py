@@ -16,7 +16,9 @@ Rules it keeps (module docstring of ``sqla_jobs._worker`` for the whole story):
   slots only, and a queue found empty is asked again after ``poll_interval``
   or a wake-up from the database (LISTEN), not on every turn;
 * every heartbeat also asks which running jobs someone asked to cancel and
-  tells their handlers (``Executor.deliver_cancel``);
+  tells their handlers (``Executor.deliver_cancel``); where the database
+  notifies (PostgreSQL: ``queue.cancel`` sends a NOTIFY), a notification also
+  triggers that question, at most every ``CANCEL_CHECK_EVERY`` seconds;
 * progress values handlers set are written at most once a second;
 * a job whose last worker was lost runs alone: nothing else is claimed while
   it runs, and once one is waiting the worker drains to claim it alone;
@@ -50,6 +52,8 @@ DATABASE_ERRORS = (OperationalError, DBAPIError, PoolTimeout)
 PRUNE_BATCH = 1000
 #: Seconds between writes of the progress values handlers set (each write is one statement per job).
 PROGRESS_EVERY = 1.0
+#: Least seconds between cancel checks prompted by notifications (a busy enqueuer notifies often).
+CANCEL_CHECK_EVERY = 0.5
 
 #: One claim to make this turn: the queues it takes from (None: the worker's) and how many jobs at most.
 Claim = tuple[Sequence[str] | None, int]
@@ -76,10 +80,14 @@ class Control:
         # Per-queue slots: when each queue found empty may be asked again (monotonic time).
         self._empty_until: dict[str, float] = {}
         self.notified = False  # set by the database listener: new jobs, so every queue is worth asking
+        # Also set by the listener: a cancel request may have come (PostgreSQL's cancel notifies).
+        self.cancel_check = False
+        self._next_cancel_check = 0.0
 
     def wake_from_database(self) -> None:
         """The listener's callback: jobs were enqueued (or made due), so empty queues are asked again."""
         self.notified = True
+        self.cancel_check = True
         self.wake.set()
 
     def run(self, burst: bool) -> None:
@@ -107,6 +115,8 @@ class Control:
                     if self._should_prune(now):
                         deleted = self.store.prune(self.config.prune_after or 0.0, PRUNE_BATCH)
                         self._next_prune = now + (1.0 if deleted >= PRUNE_BATCH else 60.0)
+                    if self.cancel_check and now >= self._next_cancel_check:
+                        self._check_cancels(now)
                     if ex.progress and now >= self._next_progress:
                         self._next_progress = now + PROGRESS_EVERY
                         self.store.write_progress(ex.take_progress())
@@ -271,10 +281,7 @@ class Control:
         held += [o.job.fence for o in self._unwritten if o.result not in ("committed", "lost")]  # no longer ours
         if held:
             kept, cancels = self.store.heartbeat(held)
-            for fence in cancels:
-                run = ex.running.get(fence)
-                if run is not None and ex.deliver_cancel(run):
-                    log.info("job %d %s: cancel requested; its handler was told", run.job.id, run.job.kind)
+            self._deliver_cancels(cancels)
             for fence in set(held) - kept:
                 run = ex.running.get(fence)
                 # Not abandoned when it is committing: then it is gone because we just finished it.
@@ -282,6 +289,21 @@ class Control:
                     log.warning("job %d %s: lease lost while running; its result will be discarded",
                                 run.job.id, run.job.kind)
         self.store.reap()
+
+    def _check_cancels(self, now: float) -> None:
+        """A notification came: ask now (not at the next heartbeat) whether a live run was cancelled."""
+        self.cancel_check = False
+        live = self.executor.live()
+        if live:
+            self._next_cancel_check = now + CANCEL_CHECK_EVERY
+            self._deliver_cancels(self.store.cancel_requests([run.job.fence for run in live]))
+
+    def _deliver_cancels(self, fences: set[Fence]) -> None:
+        ex = self.executor
+        for fence in fences:
+            run = ex.running.get(fence)
+            if run is not None and ex.deliver_cancel(run):
+                log.info("job %d %s: cancel requested; its handler was told", run.job.id, run.job.kind)
 
     def _give_back(self) -> None:
         """Grace is over: return unfinished jobs to the queue so they run again promptly.

@@ -135,6 +135,11 @@ class Store:
             kept = self.sql.heartbeat(conn, fences, self.lease)
             return kept, self.sql.cancel_requests(conn, list(kept)) if kept else set()
 
+    def cancel_requests(self, fences: list[Fence]) -> set[Fence]:
+        """Which of these runs someone asked to cancel (between heartbeats, after a notification)."""
+        with self._hot() as conn:
+            return self.sql.cancel_requests(conn, fences)
+
     def write_progress(self, rows: list[tuple[Fence, Any]]) -> None:
         """Store the latest progress values of running jobs (fenced: a run no longer ours is skipped)."""
         with self._hot() as conn:

@@ -125,3 +125,32 @@ def test_cli_cancel_reaches_a_worker_process(db: Database) -> None:
         out = _stop(worker)
     assert f"job {job_id} cooperative: cancel requested; its handler was told" in out
     assert effects(db, job_id) == ["start", "cancelled"]
+
+
+def listening(db: Database, worker_name: str) -> bool:
+    """Whether the worker's LISTEN connection is up (pg_stat_activity shows its last statement)."""
+    from sqlalchemy import text
+
+    query = text("SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND application_name = :name")
+    with db.engine.connect() as conn:
+        return bool(conn.execute(query, {"name": f"sqla-jobs worker {worker_name}"[:63]}).scalar())
+
+
+def test_on_postgresql_the_request_arrives_before_the_next_heartbeat(pg: Database) -> None:
+    """PostgreSQL: the cancel NOTIFYs, so a listening worker asks at once instead of at its next
+    heartbeat (20 s away with the default 60 s lease)."""
+    job_id = enqueue(pg, "cooperative", payload={"mode": "return"})
+    worker = Worker(pg.engine, queue, concurrency=2, poll_interval=5.0)  # neither polling nor heartbeats help
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    thread.start()
+    try:
+        _wait_for(lambda: effects(pg, job_id) == ["start"])
+        _wait_for(lambda: listening(pg, worker.name))  # its LISTEN is up (its first look is behind us)
+        time.sleep(0.5)
+        started = time.monotonic()
+        cancel(pg, job_id)
+        _wait_for(lambda: job_row(pg, job_id).state == "cancelled", timeout=15)
+        assert time.monotonic() - started < 2.5  # the notification, not a heartbeat or a poll
+    finally:
+        worker.stop()
+        thread.join(60)

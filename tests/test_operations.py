@@ -88,10 +88,12 @@ def _stop(proc: subprocess.Popen[str]) -> str:
                          [(True, 5, "cancelled"), (True, 1, "cancelled"), (False, 5, "finished")])
 def test_cancel_a_running_job_is_honoured_at_its_end(db: Database, fail: bool, max_attempts: int,
                                                       end_state: str) -> None:
-    """A failing run ends cancelled (no retry, and no dead letter even on its last attempt);
-    a run that succeeds stays finished, with cancelled_at kept."""
+    """A request that has not reached the handler yet: a failing run ends cancelled (no retry, and no
+    dead letter even on its last attempt); a run that succeeds stays finished, with cancelled_at kept."""
     job_id = enqueue(db, "await_cancel", payload={"fail": fail}, max_attempts=max_attempts)
-    worker = _start_worker(db)
+    # No LISTEN: the request then reaches the worker only at its next heartbeat (20 s away), after the
+    # handler saw it in the table and ended; the case where it does reach the handler: test_cancel_running.py.
+    worker = _start_worker(db, "--no-listen")
     try:
         _wait_for(lambda: effects(db, job_id) == ["start"])
         result = run_cli("jobs", "cancel", str(job_id), *APP, env=db.env())
