@@ -103,7 +103,8 @@ class Executor:
     except ``Run.abandoned``/``finishing``, which the lock orders)."""
 
     def __init__(self, engine: Engine, queue: JobQueue[Any, Any], sql: Driver, concurrency: int,
-                 worker_name: str, database: DatabaseKey, wake: threading.Event) -> None:
+                 worker_name: str, database: DatabaseKey, wake: threading.Event, *,
+                 count_queues: bool = False) -> None:
         self.engine = engine
         self.queue = queue
         self.sql = sql
@@ -114,7 +115,9 @@ class Executor:
         self._todo: stdlib_queue.SimpleQueue[Run | None] = stdlib_queue.SimpleQueue()
         self._done: stdlib_queue.SimpleQueue[tuple[Run, Outcome]] = stdlib_queue.SimpleQueue()
         self.running: dict[Fence, Run] = {}
-        self.running_in: dict[str, int] = {}  # runs per queue (abandoned ones too: they hold a thread)
+        # Runs per queue (abandoned ones too: they hold a thread), kept only for per-queue slots.
+        self.running_in: dict[str, int] = {}
+        self._count_queues = count_queues
         #: Runs whose handler set a progress value not yet written (JobContext.set_progress fills it).
         self.progress: dict[Fence, JobContext] = {}
         self._result_limit = queue.job_model.max_result_bytes
@@ -140,11 +143,14 @@ class Executor:
         """Start a claimed job: resolve its handler once and queue the run for a thread."""
         handler = self.queue.handlers.get(job.kind)
         timeout = handler.timeout if handler else None
+        fence = job.fence
+        # Positional: this runs per job, and keyword arguments cost more (fields as in JobContext).
         ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.worker_name,
-                         _progress_sink=self.progress, _fence=job.fence, _progress_limit=self._progress_limit)
+                         None, None, False, self.progress, fence, self._progress_limit)
         run = Run(job, handler, ctx, now, now + timeout if timeout else None)
-        self.running[job.fence] = run
-        self.running_in[job.queue] = self.running_in.get(job.queue, 0) + 1
+        self.running[fence] = run
+        if self._count_queues:
+            self.running_in[job.queue] = self.running_in.get(job.queue, 0) + 1
         if timeout:
             self._timed += 1
         self._todo.put(run)
@@ -158,7 +164,8 @@ class Executor:
             except stdlib_queue.Empty:
                 return
             self.running.pop(run.job.fence, None)
-            self.running_in[run.job.queue] -= 1
+            if self._count_queues:
+                self.running_in[run.job.queue] -= 1
             if run.deadline is not None:
                 self._timed -= 1
             if run.abandoned:
@@ -304,6 +311,8 @@ class Executor:
                     run.task = None
                 else:
                     value = handler.fn(job.payload)
+            if value is None and not self.progress and not run.cancel_requested:
+                return Outcome(job, "ok", time.monotonic() - started)  # the common case, kept short
             return self._succeeded(run, outcome("ok"), value)
         except JobSnooze as snooze:
             return outcome("snooze", delay=snooze.seconds)

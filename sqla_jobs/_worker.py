@@ -144,7 +144,7 @@ class Worker:
         self._wake = threading.Event()
         self._store = Store(engine, queue, self.sql, self.name, config.lease, config.queues)
         self._executor = Executor(engine, queue, self.sql, config.concurrency, self.name,
-                                  database_key(engine.url), self._wake)
+                                  database_key(engine.url), self._wake, count_queues=config.slots is not None)
         self._control = Control(config, self._store, self._executor, self._wake)
 
     @property
