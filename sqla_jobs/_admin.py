@@ -189,6 +189,22 @@ class Admin(Generic[J]):
         conn = session.connection()
         return self.driver(conn).get_job(conn, job_id)
 
+    def result(self, session: Session, job_id: int) -> Any:
+        """What the handler of a finished job returned (JSON as stored; None if it returned None).
+
+        Raises NotFound (no such job, or it is in the dead-letter table) or
+        JobStateError when the job has not finished (pending, running) or was cancelled.
+        """
+        conn = session.connection()
+        found = self.driver(conn).result_of(conn, job_id)
+        if found is None:
+            raise NotFound(self._not_found(conn, job_id))
+        state, value = found
+        if state != "finished":
+            why = "was cancelled: it has no result" if state == "cancelled" else f"is {state}: it has no result yet"
+            raise JobStateError(f"job {job_id} {why}")
+        return value
+
     def get_dead(self, session: Session, job_id: int) -> Any:
         """The dead job's row (all columns), or None."""
         _not_async(session, "get_dead")
@@ -227,12 +243,18 @@ class Admin(Generic[J]):
         """Cancel a job, in the caller's transaction.
 
         Returns ``"cancelled"`` for a pending job (it will never run) or
-        ``"requested"`` for a running one: ``cancelled_at`` is recorded and
-        honoured when the run ends. A run that then fails (even its last
-        attempt), times out, snoozes or loses its worker ends ``cancelled``, with
-        no retry or dead letter; a run that succeeds
-        ends ``finished`` (its work is done and cannot be undone), and keeps
-        ``cancelled_at`` as the record that the request came too late.
+        ``"requested"`` for a running one: ``cancelled_at`` is recorded, and
+        the worker running it tells its handler at its next heartbeat (at once
+        on PostgreSQL, where the request notifies listening workers)
+        (``current_job().cancelled`` is set, an async handler gets
+        ``CancelledError``). From then on the job ends ``cancelled`` however
+        the handler stops (it returns, raises, or ignores the request and runs
+        to its end: a worker never kills a thread), with no retry, no dead
+        letter and no result stored. A run that fails, times out, snoozes or
+        loses its worker before the request reaches it ends ``cancelled`` too;
+        one that succeeds before then ends ``finished`` (its work is done) and
+        keeps ``cancelled_at`` as the record that the request came too late.
+        See docs/howto/cancelling.md.
         Raises NotFound, or JobStateError for a finished or cancelled job.
         """
         _not_async(session, "cancel")

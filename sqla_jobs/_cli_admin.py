@@ -81,6 +81,14 @@ def _print_json(data: Any) -> None:
     print(json.dumps(data, indent=2, default=str))
 
 
+def _short_json(value: Any, width: int = 30) -> str:
+    """A progress value on one table cell: its compact JSON, cut to ``width``."""
+    if value is None:
+        return ""
+    text = json.dumps(value, separators=(",", ":"), default=str)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
 def _first_line(text: str | None, width: int = 80) -> str:
     return (text or "").splitlines()[0][:width] if text else ""
 
@@ -170,11 +178,13 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
                 hint = f" (no job is in queue {args.queue!r}; queues in the table: {', '.join(names) or '(none)'})"
         print("no jobs match" + hint)
         return 0
+    # The progress column only when a listed job has one: most kinds never set it, and the table stays narrow.
+    progress = any(r.progress is not None for r in rows)
     print_table(
         f"{len(rows)} job(s), newest first",
-        ["id", "kind", "queue", "state", "attempts", "run at", "last error"],
+        ["id", "kind", "queue", "state", "attempts", "run at", *(["progress"] if progress else []), "last error"],
         [[str(r.id), r.kind, r.queue, r.state, f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
-          _first_line(r.last_error, 60)] for r in rows],
+          *([_short_json(r.progress)] if progress else []), _first_line(r.last_error, 60)] for r in rows],
     )
     return 0
 
@@ -187,12 +197,16 @@ def _show(row: Any, state: str, as_json: bool) -> None:
         return
     errors = data.pop("errors", None) or []
     payload = data.pop("payload", None)
-    width = max(len(k) for k in data)
+    # JSON documents, printed as JSON after the plain columns (a dead job has neither of the last two).
+    documents = {"payload": payload, **{k: data.pop(k) for k in ("progress", "result") if k in data}}
+    width = max(len(k) for k in [*data, *documents])
     for key, value in data.items():
         if key == "last_error" and value and "\n" in str(value):
             value = str(value).splitlines()[0] + " …"
         print(f"{key:<{width}}  {'' if value is None else value}")
-    print(f"{'payload':<{width}}  {json.dumps(payload, indent=2, default=str)}")
+    for key, value in documents.items():
+        shown = "" if value is None and key != "payload" else json.dumps(value, indent=2, default=str)
+        print(f"{key:<{width}}  {shown}")
     print(f"errors ({len(errors)}):" if errors else "errors: none")
     for entry in errors:
         print(f"  attempt {entry.get('attempt')} at {entry.get('at')}: {entry.get('error')}")
@@ -219,7 +233,12 @@ def cmd_jobs_cancel(args: argparse.Namespace) -> int:
     if result == "cancelled":
         print(f"job {args.id} cancelled: it will not run")
     else:
-        print(f"job {args.id} is running: cancellation recorded; it ends cancelled unless this run succeeds")
+        print(f"job {args.id} is running: cancel requested. Its worker tells the handler at its next heartbeat "
+              "(at once on PostgreSQL) "
+              "(current_job().cancelled is set; an async handler gets CancelledError), and from then on the job "
+              "ends cancelled however the handler stops, with no retry and no result kept. A handler that "
+              "ignores it runs to its end (a worker never kills a thread) and the job still ends cancelled; "
+              "a run that succeeds before the request reaches it stays finished.")
     return 0
 
 

@@ -12,18 +12,34 @@ A handler is called as ``handler(payload)``. Inside it::
 For handlers registered with ``transactional=True``, ``current_job().session``
 is a Session whose writes commit in the same transaction that marks the job
 finished: if the worker crashes first, none of them happened and the job runs
-again. ``current_job().cancelled`` is set when the worker gives up on the run
-(timeout, shutdown): long handlers may check it and stop early.
+again.
+
+``current_job().cancelled`` is an event set when the run should stop: someone
+asked to cancel the job (``queue.cancel`` / ``sqla-jobs jobs cancel``; the worker
+learns of it at its next heartbeat, and ``cancel_requested`` is then True) or
+the worker gave up on the run (timeout, lost lease, shutdown). A sync handler
+polls it or waits on it, or calls ``check_cancelled()``, which raises
+``JobCancel``; an async handler also gets ``asyncio.CancelledError``. Once a
+cancel request has reached the run, the job ends ``cancelled`` however the
+handler then stops (docs/howto/cancelling.md).
+
+``current_job().set_progress(value)`` records how far a long run got (any
+small JSON value); the worker writes the latest value about once a second,
+and ``sqla-jobs jobs show`` prints it.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy.orm import Session
+
+from ._payload import MAX_PROGRESS_BYTES, encode_value
+from .errors import JobCancel
 
 __all__ = ["JobContext", "current_job"]
 
@@ -41,16 +57,45 @@ class JobContext:
     worker: str
     session: Session | None = None
     _cancelled: threading.Event | None = field(default=None, repr=False)
+    _requested: bool = field(default=False, repr=False)
+    # Where set_progress reports: the worker's dict of unwritten progress, keyed by this run's fence.
+    _progress_sink: dict[Any, JobContext] | None = field(default=None, repr=False)
+    _fence: Any = field(default=None, repr=False)
+    _progress_limit: int = field(default=MAX_PROGRESS_BYTES, repr=False)
+    progress: Any = None
 
     @property
     def cancelled(self) -> threading.Event:
-        """Set when the worker has given up on this run (timeout, lost lease, shutdown)."""
+        """Set when this run should stop: a cancel request reached it, or the worker gave up on it
+        (timeout, lost lease, shutdown)."""
         # Made on first use: most handlers never look, and an Event per job costs.
         if self._cancelled is None:
             with _event_lock:  # the worker and the handler may both ask first
                 if self._cancelled is None:
                     self._cancelled = threading.Event()
         return self._cancelled
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once someone's cancel request (``queue.cancel``, ``jobs cancel``) reached this run."""
+        return self._requested
+
+    def check_cancelled(self) -> None:
+        """Raise ``JobCancel`` if this run should stop (see ``cancelled``); a cheap call for loops."""
+        if self._cancelled is not None and self._cancelled.is_set():
+            raise JobCancel("cancel requested" if self._requested else "the worker gave up on this run")
+
+    def set_progress(self, value: Any) -> None:
+        """Record how far this run got: any JSON value up to ``max_progress_bytes`` (4 KiB), e.g.
+        ``{"done": 40, "total": 100}``. Cheap to call often: the worker writes the latest value
+        about once a second, and once more when the job finishes. Raises ``InvalidJob`` for a
+        value JSON cannot store."""
+        if value is None:
+            raise ValueError("set_progress needs a value; None would not be written")
+        # A snapshot: the handler may go on changing the object it passed.
+        self.progress = json.loads(encode_value(value, self._progress_limit, "the progress value"))
+        if self._progress_sink is not None:
+            self._progress_sink[self._fence] = self
 
     @property
     def last_attempt(self) -> bool:

@@ -11,6 +11,15 @@ Rules it keeps (module docstring of ``sqla_jobs._worker`` for the whole story):
 * successes wait up to ``flush_interval`` to be written in one batch, unless
   nothing else is running, the batch is full or the worker is stopping;
 * a claim waits until half the threads are free, unless the worker is idle;
+  with per-queue slots the rule holds per queue (half its slots free, or none
+  of its jobs running), each queue is claimed in its own batch for its free
+  slots only, and a queue found empty is asked again after ``poll_interval``
+  or a wake-up from the database (LISTEN), not on every turn;
+* every heartbeat also asks which running jobs someone asked to cancel and
+  tells their handlers (``Executor.deliver_cancel``); where the database
+  notifies (PostgreSQL: ``queue.cancel`` sends a NOTIFY), a notification also
+  triggers that question, at most every ``CANCEL_CHECK_EVERY`` seconds;
+* progress values handlers set are written at most once a second;
 * a job whose last worker was lost runs alone: nothing else is claimed while
   it runs, and once one is waiting the worker drains to claim it alone;
 * after a database error, the next try waits ``Store.retry_pause``; outcomes
@@ -24,6 +33,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -31,7 +41,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from ._executor import Executor, Outcome
 from ._store import Store
 from ._worker_config import WorkerConfig
-from .drivers.base import Fence
+from .drivers.base import Claimed, Fence
 
 __all__ = ["Control"]
 
@@ -40,6 +50,13 @@ log = logging.getLogger("sqla_jobs.worker")
 #: What a failed database step raises (PoolTimeout: handlers hold the whole pool).
 DATABASE_ERRORS = (OperationalError, DBAPIError, PoolTimeout)
 PRUNE_BATCH = 1000
+#: Seconds between writes of the progress values handlers set (each write is one statement per job).
+PROGRESS_EVERY = 1.0
+#: Least seconds between cancel checks prompted by notifications (a busy enqueuer notifies often).
+CANCEL_CHECK_EVERY = 0.5
+
+#: One claim to make this turn: the queues it takes from (None: the worker's) and how many jobs at most.
+Claim = tuple[Sequence[str] | None, int]
 
 
 class Control:
@@ -59,6 +76,19 @@ class Control:
         self._isolated: Fence | None = None
         self._isolation_wanted = False
         self._next_prune = 0.0
+        self._next_progress = 0.0
+        # Per-queue slots: when each queue found empty may be asked again (monotonic time).
+        self._empty_until: dict[str, float] = {}
+        self.notified = False  # set by the database listener: new jobs, so every queue is worth asking
+        # Also set by the listener: a cancel request may have come (PostgreSQL's cancel notifies).
+        self.cancel_check = False
+        self._next_cancel_check = 0.0
+
+    def wake_from_database(self) -> None:
+        """The listener's callback: jobs were enqueued (or made due), so empty queues are asked again."""
+        self.notified = True
+        self.cancel_check = True
+        self.wake.set()
 
     def run(self, burst: bool) -> None:
         """Turn until stopped (or, with ``burst``, until nothing is due and nothing is left to write)."""
@@ -85,7 +115,12 @@ class Control:
                     if self._should_prune(now):
                         deleted = self.store.prune(self.config.prune_after or 0.0, PRUNE_BATCH)
                         self._next_prune = now + (1.0 if deleted >= PRUNE_BATCH else 60.0)
-                    claimed = self._exchange(self._should_write(now), self._should_claim())
+                    if self.cancel_check and now >= self._next_cancel_check:
+                        self._check_cancels(now)
+                    if ex.progress and now >= self._next_progress:
+                        self._next_progress = now + PROGRESS_EVERY
+                        self.store.write_progress(ex.take_progress())
+                    claimed = self._exchange(self._should_write(now), self._claims_due(now))
                     if db_failures:
                         log.warning("worker %s: database is back", self.name)
                     db_failures = 0
@@ -129,7 +164,8 @@ class Control:
         )
 
     def _should_claim(self) -> bool:
-        """Claim in batches: when at least half the threads are free, or all are idle.
+        """Claim in batches: when at least half the threads are free, or all are idle (with
+        per-queue slots, the same per queue, in ``_claims_due``).
 
         Nothing while an isolated job runs; nothing but an isolated job once one
         is waiting, so the worker drains and then claims it alone.
@@ -143,8 +179,29 @@ class Control:
             self._isolated = None
         if self._isolation_wanted and self.executor.live_count:
             return False
+        if self.config.queue_slots is not None:
+            return True  # the half-free rule is per queue then: see _claims_due
         free = self.config.concurrency - len(running)
         return free > 0 and (free * 2 >= self.config.concurrency or not self.executor.live_count)
+
+    def _claims_due(self, now: float) -> list[Claim]:
+        """The claims to make this turn: one for all the worker's queues, or with per-queue slots one
+        per queue that has half its slots free (or nothing running) and was not just found empty."""
+        if not self._should_claim():
+            return []
+        slots = self.config.slots
+        if slots is None:
+            return [(None, min(self.config.concurrency - len(self.executor.running), self.config.batch_size))]
+        if self.notified:
+            self.notified = False
+            self._empty_until.clear()
+        running_in = self.executor.running_in
+        claims: list[Claim] = []
+        for name, count in slots.items():
+            free = count - running_in.get(name, 0)
+            if free > 0 and (free * 2 >= count or not running_in.get(name)) and now >= self._empty_until.get(name, 0.0):
+                claims.append(([name], min(free, self.config.batch_size)))
+        return claims
 
     def _should_prune(self, now: float) -> bool:
         """With ``prune_after``: one batch per turn, at most once a minute unless the last batch was full."""
@@ -157,37 +214,59 @@ class Control:
             self._unwritten_since = time.monotonic()
         self._unwritten.append(outcome)
 
-    def _exchange(self, write: bool, claim: bool) -> int:
-        """Write outcomes (if ``write``) and claim jobs for free threads (if ``claim``); how many were claimed.
+    def _exchange(self, write: bool, claims: list[Claim]) -> int:
+        """Write outcomes (if ``write``) and make ``claims`` for free threads; how many jobs were claimed.
 
         Failures, snoozes and cancels are written first, one each (the rare
-        case), so a retry that is due at once can be claimed in this same turn.
-        Successes and the claim then share one round trip.
+        case), so a retry that is due at once can be claimed in this same turn;
+        so are successes that carry a result or progress. The plain successes
+        and the first claim then share one round trip; each further claim (per
+        queue, with slots) is one more.
         """
         ex = self.executor
         ok: list[Outcome] = []
         if write:
+            valued: list[Outcome] = []
             for outcome in self._unwritten:
                 if outcome.written:
                     continue
                 if outcome.result == "ok":
-                    ok.append(outcome)
+                    (ok if outcome.value is None and outcome.progress is None else valued).append(outcome)
                 else:
                     self.store.write_one(outcome)
                     outcome.written = True
-        limit = min(self.config.concurrency - len(ex.running), self.config.batch_size) if claim else 0
-        jobs = []
-        if ok or limit > 0:
+                    self._empty_until.pop(outcome.job.queue, None)  # a retry may be due at once
+            if valued:
+                self.store.finish_with_results(valued)
+        claimed = 0
+        isolated_waiting: bool | None = None  # whether any claim this turn left a job that must run alone
+        for queues, limit in claims or ([(None, 0)] if ok else []):
             self._claims += 1
             token = f"{self._token_base}{self._claims:x}"  # unique per claim; hex, so no ':' or ','
             # Alone: no live run shares the process, so an isolated job may be claimed (and only it).
             # Abandoned runs are already written off: a crash now costs them nothing.
-            jobs, waiting = self.store.finish_and_claim(ok, max(limit, 0), token, alone=limit > 0 and not ex.live_count)
+            jobs, waiting = self.store.finish_and_claim(ok, limit, token, alone=limit > 0 and not ex.live_count,
+                                                        queues=queues)
+            ok = []  # finished by the first round trip
             if limit > 0:
-                self._isolation_wanted = waiting
+                isolated_waiting = bool(isolated_waiting) or waiting
+                if queues is not None and len(jobs) < limit:
+                    self._empty_until[queues[0]] = time.monotonic() + self.config.poll_interval
+            self._start(jobs)
+            claimed += len(jobs)
+            if waiting or any(job.isolated for job in jobs):
+                # A job that runs alone was claimed, or waits for the worker to drain: no other
+                # queue's claim this turn (nor later, see _should_claim).
+                break
+        if isolated_waiting is not None:
+            self._isolation_wanted = isolated_waiting
         if write:
             self._unwritten = []
             self._unwritten_since = None
+        return claimed
+
+    def _start(self, jobs: list[Claimed]) -> None:
+        ex = self.executor
         now = time.monotonic()
         for job in jobs:
             ex.submit(job, now)
@@ -195,14 +274,14 @@ class Control:
                 self._isolated = job.fence
                 log.info("job %d %s attempt %d/%d: its worker was lost last time, so it runs alone in this process",
                          job.id, job.kind, job.attempt, job.max_attempts)
-        return len(jobs)
 
     def _heartbeat_and_reap(self) -> None:
         ex = self.executor
         held = [run.job.fence for run in ex.live()]
         held += [o.job.fence for o in self._unwritten if o.result not in ("committed", "lost")]  # no longer ours
         if held:
-            kept = self.store.heartbeat(held)
+            kept, cancels = self.store.heartbeat(held)
+            self._deliver_cancels(cancels)
             for fence in set(held) - kept:
                 run = ex.running.get(fence)
                 # Not abandoned when it is committing: then it is gone because we just finished it.
@@ -210,6 +289,21 @@ class Control:
                     log.warning("job %d %s: lease lost while running; its result will be discarded",
                                 run.job.id, run.job.kind)
         self.store.reap()
+
+    def _check_cancels(self, now: float) -> None:
+        """A notification came: ask now (not at the next heartbeat) whether a live run was cancelled."""
+        self.cancel_check = False
+        live = self.executor.live()
+        if live:
+            self._next_cancel_check = now + CANCEL_CHECK_EVERY
+            self._deliver_cancels(self.store.cancel_requests([run.job.fence for run in live]))
+
+    def _deliver_cancels(self, fences: set[Fence]) -> None:
+        ex = self.executor
+        for fence in fences:
+            run = ex.running.get(fence)
+            if run is not None and ex.deliver_cancel(run):
+                log.info("job %d %s: cancel requested; its handler was told", run.job.id, run.job.kind)
 
     def _give_back(self) -> None:
         """Grace is over: return unfinished jobs to the queue so they run again promptly.
@@ -222,7 +316,7 @@ class Control:
         ex = self.executor
         live = ex.live()
         try:
-            self._exchange(write=True, claim=False)
+            self._exchange(write=True, claims=[])
             if live:
                 given = self.store.give_back([run.job.fence for run in live])
                 log.warning("worker %s: grace period over, gave %d running job(s) back to the queue",
@@ -237,7 +331,7 @@ class Control:
             ex.collect(self._add_unwritten)
         if self._unwritten:
             try:
-                self._exchange(write=True, claim=False)
+                self._exchange(write=True, claims=[])
             except DATABASE_ERRORS as exc:
                 log.warning("worker %s: could not record %d outcome(s) (%s); their leases will expire",
                             self.name, len(self._unwritten), str(exc).splitlines()[0])

@@ -9,6 +9,13 @@ apart from the handler's own, and puts the ``Outcome`` on a queue the control
 loop drains with ``collect``. A transactional handler runs in a session whose
 commit also finishes the job (``Driver.finish``, fenced by the claim token).
 
+A handler's return value (when not None) is checked by the payload rules and
+travels with its ``Outcome`` (``value``), as does the last progress value not yet
+written; such outcomes are finished by ``Store.finish_with_results``, the rest by
+the batched ``finish_and_claim`` as before. A cancel request that reached a run
+(``deliver_cancel``: its context's ``cancelled`` event set, an async handler's
+task cancelled) turns whatever the handler then does into a ``cancel`` outcome.
+
 A run can be abandoned (timed out, lease lost, given back at shutdown): its
 thread may go on, but its result is discarded. ``abandon`` and a transactional
 run starting its commit are ordered by one lock, so a run that holds its
@@ -18,6 +25,8 @@ fenced finish is never abandoned: its fate is its commit's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import logging
 import queue as stdlib_queue
 import threading
@@ -32,8 +41,9 @@ from sqlalchemy.orm import Session
 from ._app import JobEvent, JobQueue
 from ._context import JobContext, _current
 from ._outage import DatabaseKey, watch
+from ._payload import encode_value
 from .drivers.base import Claimed, Driver, Fence
-from .errors import JobCancel, JobSnooze
+from .errors import InvalidJob, JobCancel, JobSnooze
 
 __all__ = ["Executor", "Outcome", "Run"]
 
@@ -42,6 +52,14 @@ log = logging.getLogger("sqla_jobs.worker")
 
 class _ClaimLost(Exception):
     """The job's row was no longer ours when its transactional handler tried to finish it."""
+
+
+class InvalidResult(Exception):
+    """A handler returned a value that cannot be stored as its job's result (the payload rules)."""
+
+
+class _CancelBeforeCommit(Exception):
+    """A cancel request reached a transactional run before its commit: its writes are rolled back."""
 
 
 @dataclass
@@ -57,6 +75,10 @@ class Run:
     # Its transaction holds the fenced finish and is committing: from then on the
     # run's fate is that commit's, so it is never abandoned (see Executor.abandon).
     finishing: bool = False
+    cancel_requested: bool = False  # a person's cancel request reached it: it ends cancelled
+    task: Any = None  # an async handler's task and its loop, so a cancel can interrupt it
+    loop: Any = None
+    interrupted: bool = False
 
 
 @dataclass
@@ -72,6 +94,8 @@ class Outcome:
     # The failure came after the fenced finish, from the commit itself: the commit may have
     # applied with its reply lost, so a write that finds the job no longer running checks.
     committing: bool = False
+    value: Any = None  # what the handler returned (checked, JSON-able), stored with the finished job
+    progress: Any = None  # its last progress value, if not written yet
 
 
 class Executor:
@@ -79,7 +103,8 @@ class Executor:
     except ``Run.abandoned``/``finishing``, which the lock orders)."""
 
     def __init__(self, engine: Engine, queue: JobQueue[Any, Any], sql: Driver, concurrency: int,
-                 worker_name: str, database: DatabaseKey, wake: threading.Event) -> None:
+                 worker_name: str, database: DatabaseKey, wake: threading.Event, *,
+                 count_queues: bool = False) -> None:
         self.engine = engine
         self.queue = queue
         self.sql = sql
@@ -90,6 +115,13 @@ class Executor:
         self._todo: stdlib_queue.SimpleQueue[Run | None] = stdlib_queue.SimpleQueue()
         self._done: stdlib_queue.SimpleQueue[tuple[Run, Outcome]] = stdlib_queue.SimpleQueue()
         self.running: dict[Fence, Run] = {}
+        # Runs per queue (abandoned ones too: they hold a thread), kept only for per-queue slots.
+        self.running_in: dict[str, int] = {}
+        self._count_queues = count_queues
+        #: Runs whose handler set a progress value not yet written (JobContext.set_progress fills it).
+        self.progress: dict[Fence, JobContext] = {}
+        self._result_limit = queue.job_model.max_result_bytes
+        self._progress_limit = queue.job_model.max_progress_bytes
         self._fate = threading.Lock()  # orders abandon against a transactional run starting to commit
         self._abandoned = 0  # how many of running were given up on
         self._timed = 0  # how many of running have a timeout to watch
@@ -111,9 +143,14 @@ class Executor:
         """Start a claimed job: resolve its handler once and queue the run for a thread."""
         handler = self.queue.handlers.get(job.kind)
         timeout = handler.timeout if handler else None
-        ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.worker_name)
+        fence = job.fence
+        # Positional: this runs per job, and keyword arguments cost more (fields as in JobContext).
+        ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.worker_name,
+                         None, None, False, self.progress, fence, self._progress_limit)
         run = Run(job, handler, ctx, now, now + timeout if timeout else None)
-        self.running[job.fence] = run
+        self.running[fence] = run
+        if self._count_queues:
+            self.running_in[job.queue] = self.running_in.get(job.queue, 0) + 1
         if timeout:
             self._timed += 1
         self._todo.put(run)
@@ -127,6 +164,8 @@ class Executor:
             except stdlib_queue.Empty:
                 return
             self.running.pop(run.job.fence, None)
+            if self._count_queues:
+                self.running_in[run.job.queue] -= 1
             if run.deadline is not None:
                 self._timed -= 1
             if run.abandoned:
@@ -162,7 +201,46 @@ class Executor:
                 run.abandoned = True
                 self._abandoned += 1
                 run.ctx.cancelled.set()
+                self._interrupt(run)
             return True
+
+    def deliver_cancel(self, run: Run) -> bool:
+        """A cancel request reached this run: tell its handler; from now on it ends ``cancelled``.
+
+        False when its transaction already holds the fenced finish and is committing
+        (the job is finished by that commit), or it was delivered before.
+        """
+        with self._fate:
+            if run.finishing or run.cancel_requested or run.abandoned:
+                return False
+            run.cancel_requested = True
+            run.ctx._requested = True
+        run.ctx.cancelled.set()
+        self._interrupt(run)
+        return True
+
+    @staticmethod
+    def _interrupt(run: Run) -> None:
+        """An async handler gets CancelledError (a sync one only sees the event: threads cannot be stopped)."""
+        run.interrupted = True
+        task, loop = run.task, run.loop
+        if task is not None and loop is not None:
+            # RuntimeError: the loop closed meanwhile; its thread ended, nothing is left to cancel.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(task.cancel)
+
+    def take_progress(self) -> list[tuple[Fence, Any]]:
+        """The progress values set since the last call, of runs still live (the control thread writes them)."""
+        taken = []
+        while self.progress:
+            try:
+                fence, ctx = self.progress.popitem()
+            except KeyError:  # emptied by a handler thread finishing meanwhile
+                break
+            run = self.running.get(fence)
+            if run is not None and not run.abandoned:
+                taken.append((fence, ctx.progress))
+        return taken
 
     def timed_out(self, now: float) -> list[Outcome]:
         """Abandon the runs past their kind's timeout; their failures, to be written."""
@@ -206,6 +284,10 @@ class Executor:
         started = time.monotonic()
 
         def outcome(result: str, error: str = "", delay: float = 0.0) -> Outcome:
+            if run.cancel_requested and result != "committed":
+                # The request reached the run: however the handler stopped, the job ends cancelled.
+                how = "the handler returned" if result == "ok" else (error or result)
+                return Outcome(job, "cancel", time.monotonic() - started, f"cancelled on request: {how}")
             return Outcome(job, result, time.monotonic() - started, error, delay)
 
         if handler is None:
@@ -221,14 +303,21 @@ class Executor:
                     return outcome("committed")
                 if handler.is_async:
                     assert loop is not None
-                    loop.run_until_complete(asyncio.wait_for(handler.fn(job.payload), handler.timeout))
+                    task = loop.create_task(asyncio.wait_for(handler.fn(job.payload), handler.timeout))
+                    run.loop, run.task = loop, task
+                    if run.interrupted:  # cancelled before the task existed
+                        task.cancel()
+                    value = loop.run_until_complete(task)
+                    run.task = None
                 else:
-                    handler.fn(job.payload)
-                return outcome("ok")
+                    value = handler.fn(job.payload)
+            if value is None and not self.progress and not run.cancel_requested:
+                return Outcome(job, "ok", time.monotonic() - started)  # the common case, kept short
+            return self._succeeded(run, outcome("ok"), value)
         except JobSnooze as snooze:
             return outcome("snooze", delay=snooze.seconds)
-        except JobCancel as cancel:
-            return outcome("cancel", f"JobCancel: {cancel.reason}")
+        except (JobCancel, _CancelBeforeCommit) as cancel:
+            return outcome("cancel", f"JobCancel: {cancel}")
         except _ClaimLost:
             return outcome("lost")
         except asyncio.TimeoutError as exc:
@@ -245,9 +334,34 @@ class Executor:
         finally:
             _current.reset(token)
 
+    def _succeeded(self, run: Run, done: Outcome, value: Any) -> Outcome:
+        """The handler returned ``value``: check it as a result; take the last unwritten progress."""
+        if done.result != "ok":
+            return done  # cancelled on request: neither is stored
+        if value is not None:
+            try:
+                done.value = self._checked_result(value)
+            except InvalidResult as exc:
+                done.result, done.error = "error", f"InvalidResult: {exc}"
+                return done
+        if self.progress and self.progress.pop(run.job.fence, None) is not None:
+            done.progress = run.ctx.progress
+        return done
+
+    def _checked_result(self, value: Any) -> Any:
+        """``value`` as it will be stored: checked by the payload rules, and a decoded copy, so changes
+        the handler makes to its object later do not leak in. InvalidResult names what is wrong."""
+        try:
+            return json.loads(encode_value(value, self._result_limit, "the handler's return value"))
+        except InvalidJob as exc:
+            raise InvalidResult(str(exc)) from None
+
     def _failed(self, run: Run, failed: Outcome, exc: BaseException, dropped: set[Any]) -> Outcome:
         """The handler raised: an error, or an outage if a connection to the queue database dropped
         or could not be opened during this attempt (see _outage.py): then it is not the job's fault."""
+        if run.cancel_requested:  # it stopped on the request (an async handler's CancelledError, or any error)
+            failed.result, failed.error = "cancel", f"cancelled on request: {type(exc).__name__}: {exc}".rstrip(": ")
+            return failed
         failed.result = "outage" if self._database in dropped else "error"
         failed.error = f"{type(exc).__name__}: {exc}"
         failed.committing = run.finishing
@@ -259,13 +373,20 @@ class Executor:
             self.sql.begin_write(session.connection())
             run.ctx.session = session
             try:
-                run.handler.fn(run.job.payload)
+                value = run.handler.fn(run.job.payload)
                 session.flush()
-                if run.abandoned or not self.sql.finish(session.connection(), [run.job.fence]):
+                result = None if value is None else self._checked_result(value)
+                progress = run.ctx.progress if self.progress.pop(run.job.fence, None) is not None else None
+                conn = session.connection()
+                if result is not None or progress is not None:
+                    self.sql.set_results(conn, [(run.job.fence, result, progress)])
+                if run.abandoned or not self.sql.finish(conn, [run.job.fence]):
                     raise _ClaimLost()
                 with self._fate:  # from here the job is finished iff this commit succeeds
                     if run.abandoned:
                         raise _ClaimLost()
+                    if run.cancel_requested:
+                        raise _CancelBeforeCommit("cancel requested before the commit: its writes rolled back")
                     run.finishing = True
             except BaseException:
                 session.rollback()

@@ -60,7 +60,7 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 
 from . import _payload
-from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, PayloadType
+from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, PayloadType
 from ._typed import as_payload
 from ._unique import DEFAULT_UNIQUE_STATES, HELD_KEY_SQL, MAX_UNIQUE_KEY_LENGTH, StateSet, check_key, check_states
 from .drivers import DatabaseNow, GeneratedColumn, JSONText, attach_table_events
@@ -245,6 +245,10 @@ class _Common:
 class JobMixin(_Common):
     """Columns and indexes of the jobs table. The seed's nine columns keep their meaning."""
 
+    #: Limits on a handler's return value and progress value, in bytes of JSON; override per model.
+    max_result_bytes: ClassVar[int] = MAX_RESULT_BYTES
+    max_progress_bytes: ClassVar[int] = MAX_PROGRESS_BYTES
+
     id: Mapped[int] = mapped_column(_ID, primary_key=True, autoincrement=True)
     state: Mapped[str] = mapped_column(String(16), server_default="pending")
     run_at: Mapped[datetime] = mapped_column(_tz(), server_default=_NOW)
@@ -269,6 +273,10 @@ class JobMixin(_Common):
     #: partial indexes; virtual on SQLite and MariaDB, stored on PostgreSQL).
     unique_held: Mapped[str | None] = mapped_column(String(MAX_UNIQUE_KEY_LENGTH),
                                                           GeneratedColumn(HELD_KEY_SQL))
+    #: What the handler returned (JSON), stored with the finished job; NULL when it returned None.
+    result: Mapped[Any] = mapped_column(_JSON, nullable=True, server_default=_NULL)
+    #: The last value the handler gave ``current_job().set_progress(...)``, written about once a second.
+    progress: Mapped[Any] = mapped_column(_JSON, nullable=True, server_default=_NULL)
 
     @validates("run_at")
     def _check_run_at(self, key: str, value: Any) -> datetime | None:

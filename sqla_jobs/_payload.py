@@ -29,7 +29,10 @@ from sqlalchemy.types import TypeDecorator
 
 from .errors import InvalidJob
 
-__all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "PayloadType", "check", "encode"]
+__all__ = [
+    "MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "MAX_PROGRESS_BYTES", "MAX_RESULT_BYTES", "PayloadType", "check",
+    "encode", "encode_value",
+]
 
 #: Largest payload accepted, in bytes of its JSON encoding. Override per model
 #: with a ``max_payload_bytes`` class attribute. Big data belongs in your own
@@ -40,6 +43,11 @@ MAX_PAYLOAD_BYTES = 1_048_576
 #: which every recursive reader on the way (json, copy.deepcopy, validators,
 #: the handler's own code, often called deep inside a framework) must stay under.
 MAX_PAYLOAD_DEPTH = 64
+#: Largest handler result, in bytes of its JSON encoding (``max_result_bytes`` on the model overrides it):
+#: it stays in the row until the job is pruned.
+MAX_RESULT_BYTES = 65_536
+#: Largest progress value (``max_progress_bytes`` on the model): it is written about once a second.
+MAX_PROGRESS_BYTES = 4_096
 #: Integers outside 64 bits are refused: SQLite's JSON functions turn them
 #: into floats, and most JSON readers outside Python cannot hold them exactly.
 _INT_MIN, _INT_MAX = -(2**63), 2**63 - 1
@@ -206,6 +214,22 @@ def encode(payload: Any, limit: int = MAX_PAYLOAD_BYTES) -> str:
     encoded = _dumps(payload)
     if len(encoded) > limit:
         raise _too_large(len(encoded), limit)
+    return encoded
+
+
+def encode_value(value: Any, limit: int, what: str) -> str:
+    """Check a handler's result or progress (any JSON value, not only an object) by the payload rules.
+
+    Returns its JSON text; raises InvalidJob naming ``what`` and the path of the bad item.
+    """
+    try:
+        _scan({"": value})
+    except InvalidJob as exc:
+        raise InvalidJob(str(exc).replace("Job.payload['']", what, 1)) from None
+    encoded = _dumps(value)  # type: ignore[arg-type]
+    if len(encoded) > limit:
+        raise InvalidJob(f"{what} is {len(encoded)} bytes of JSON, over the {limit}-byte limit; "
+                         "store large data in your own table and return its key")
     return encoded
 
 

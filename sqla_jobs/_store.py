@@ -102,25 +102,48 @@ class Store:
 
     # -- the hot path ------------------------------------------------------------------
 
-    def finish_and_claim(self, ok: list[Outcome], limit: int, token: str, alone: bool) -> tuple[list[Claimed], bool]:
+    def finish_and_claim(self, ok: list[Outcome], limit: int, token: str, alone: bool,
+                         queues: Sequence[str] | None = None) -> tuple[list[Claimed], bool]:
         """Mark ``ok`` finished and claim up to ``limit`` jobs, in one round trip; report the finished ones.
 
+        ``queues``: claim from these (a per-queue claim) instead of the worker's queues.
         Returns the claimed jobs and whether a job that must run alone is waiting.
         """
         with self._hot() as conn:
             kept, jobs, waiting = self.sql.finish_and_claim(
-                conn, [o.job.fence for o in ok], limit, self.worker_name, token, self.lease, self.queues,
-                alone=alone,
+                conn, [o.job.fence for o in ok], limit, self.worker_name, token, self.lease,
+                queues if queues is not None else self.queues, alone=alone,
             )
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
         return jobs, waiting
 
-    def heartbeat(self, fences: list[Fence]) -> set[Fence]:
-        """Extend the leases of ``fences``; returns those still ours."""
+    def finish_with_results(self, ok: list[Outcome]) -> None:
+        """Finish runs that returned a value or left progress unwritten: store both, then finish, in one
+        transaction (off the hot path: a handler returning None never comes here)."""
+        with self.sql.write(self.engine) as conn:
+            self.sql.set_results(conn, [(o.job.fence, o.value, o.progress) for o in ok])
+            kept = self.sql.finish(conn, [o.job.fence for o in ok])
+        for o in ok:
+            o.written = True
+            self.report(o, "finished" if o.job.id in kept else "lost")
+
+    def heartbeat(self, fences: list[Fence]) -> tuple[set[Fence], set[Fence]]:
+        """Extend the leases of ``fences``; returns those still ours, and those of them someone asked to cancel."""
         with self._hot() as conn:
-            return self.sql.heartbeat(conn, fences, self.lease)
+            kept = self.sql.heartbeat(conn, fences, self.lease)
+            return kept, self.sql.cancel_requests(conn, list(kept)) if kept else set()
+
+    def cancel_requests(self, fences: list[Fence]) -> set[Fence]:
+        """Which of these runs someone asked to cancel (between heartbeats, after a notification)."""
+        with self._hot() as conn:
+            return self.sql.cancel_requests(conn, fences)
+
+    def write_progress(self, rows: list[tuple[Fence, Any]]) -> None:
+        """Store the latest progress values of running jobs (fenced: a run no longer ours is skipped)."""
+        with self._hot() as conn:
+            self.sql.set_progress(conn, rows)
 
     def give_back(self, fences: list[Fence]) -> int:
         with self._hot() as conn:

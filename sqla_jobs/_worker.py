@@ -4,11 +4,15 @@
 
     Worker(engine, queue, concurrency=8).run()          # until SIGTERM / SIGINT
     Worker(engine, queue).run(burst=True)               # every due job, then return
+    Worker(engine, queue, queues={"default": 8, "emails": 2}).run()  # threads per queue
 
 or ``sqla-jobs worker --url ... --app myapp.jobs:queue``.
 
 One control thread talks to the database; ``concurrency`` handler threads only
-run user code. The parts (docs/development.md, "The worker's parts"):
+run user code. With ``queues`` as a mapping of queue name to slots, each queue
+gets that many threads of its own (``concurrency`` is their sum): a queue full
+of slow jobs never delays another, and each queue is claimed in batches.
+The parts (docs/development.md, "The worker's parts"):
 
 * ``_worker_config.WorkerConfig``: the settings, checked once, and the pool rule;
 * ``_control.Control``: the control loop, decisions only;
@@ -58,7 +62,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import Engine
@@ -70,7 +74,7 @@ from ._executor import Executor
 from ._outage import database_key
 from ._periodic import Scheduler
 from ._store import Store
-from ._worker_config import WorkerConfig, check_pool
+from ._worker_config import WorkerConfig, check_pool, split_queues
 from .drivers.base import Driver
 
 __all__ = ["Worker"]
@@ -83,6 +87,9 @@ class Worker:
 
     The settings are checked by ``WorkerConfig`` (``ConfigError`` naming the
     wrong value), the same check ``sqla-jobs worker`` and ``bench`` go through.
+    ``queues``: None (every queue), a list of names sharing ``concurrency``
+    threads (default 4), or a mapping ``{name: slots}`` giving each queue its
+    own threads (``concurrency``, if given, must be their sum).
     """
 
     def __init__(
@@ -90,8 +97,8 @@ class Worker:
         engine: Engine,
         queue: JobQueue[Any, Any],
         *,
-        concurrency: int = 4,
-        queues: Sequence[str] | None = None,
+        concurrency: int | None = None,
+        queues: Sequence[str] | Mapping[str, int] | None = None,
         lease: float = 60.0,
         heartbeat: float | None = None,
         poll_interval: float = 1.0,
@@ -102,8 +109,9 @@ class Worker:
         name: str | None = None,
         prune_after: float | None = None,
     ) -> None:
+        concurrency, names, slots = split_queues(queues, concurrency)
         self._setup(engine, queue, WorkerConfig(
-            concurrency=concurrency, queues=tuple(queues) if queues else None, lease=lease, heartbeat=heartbeat,
+            concurrency=concurrency, queues=names, queue_slots=slots, lease=lease, heartbeat=heartbeat,
             poll_interval=poll_interval, grace=grace, batch_size=batch_size, flush_interval=flush_interval,
             listen=listen, name=name, prune_after=prune_after,
         ))
@@ -137,7 +145,7 @@ class Worker:
         self._wake = threading.Event()
         self._store = Store(engine, queue, self.sql, self.name, config.lease, config.queues)
         self._executor = Executor(engine, queue, self.sql, config.concurrency, self.name,
-                                  database_key(engine.url), self._wake)
+                                  database_key(engine.url), self._wake, count_queues=config.slots is not None)
         self._control = Control(config, self._store, self._executor, self._wake)
 
     @property
@@ -166,7 +174,8 @@ class Worker:
         try:
             self._store.prepare(self.listen, self.config.poll_interval)
             self._executor.start()
-            listener = self.sql.listener(self.engine, self._wake.set, self.name) if self.listen else None
+            wake = self._control.wake_from_database
+            listener = self.sql.listener(self.engine, wake, self.name) if self.listen else None
             if listener is not None:
                 listener.start()
             # The app's periodic jobs: every long-running worker enqueues due slots (sqla_jobs._periodic).
@@ -176,7 +185,9 @@ class Worker:
                 scheduler.start()
             if signals is not None:
                 signals.attach(f"worker {self.name}", self.stop)
-            log.info("worker %s started: concurrency %d, lease %gs", self.name, self.concurrency, self.lease)
+            slots = self.config.slots
+            log.info("worker %s started: concurrency %d%s, lease %gs", self.name, self.concurrency,
+                     f" ({', '.join(f'{q}={n}' for q, n in slots.items())})" if slots else "", self.lease)
             try:
                 self._control.run(burst)
             finally:

@@ -15,6 +15,7 @@ import logging
 import os
 import socket
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from sqlalchemy import Engine
@@ -22,17 +23,24 @@ from sqlalchemy import Engine
 from ._bootstrap import worker_pool_size
 from .errors import ConfigError
 
-__all__ = ["WorkerConfig", "check_pool"]
+__all__ = ["WorkerConfig", "check_pool", "parse_queue_options", "split_queues"]
 
 log = logging.getLogger("sqla_jobs.worker")
 
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """Every setting of one worker process; see ``Worker`` for what each means."""
+    """Every setting of one worker process; see ``Worker`` for what each means.
+
+    ``queue_slots`` (from ``Worker(queues={"default": 8, "emails": 2})`` or
+    ``--queue default=8 --queue emails=2``) gives each queue its own handler
+    threads: ``concurrency`` is then their sum, ``queues`` their names, and the
+    control loop never lets one queue run more jobs than its slots.
+    """
 
     concurrency: int = 4
     queues: tuple[str, ...] | None = None
+    queue_slots: tuple[tuple[str, int], ...] | None = None
     lease: float = 60.0
     heartbeat: float | None = None  # None: lease / 3
     poll_interval: float = 1.0
@@ -50,6 +58,8 @@ class WorkerConfig:
         def bad(setting: str, rule: str, value: object) -> ConfigError:
             return ConfigError(f"{setting} must be {rule}, got {value!r}")
 
+        if self.queue_slots is not None:
+            self._check_slots()  # first: a bad slot count is what to report, not the sum it makes
         if self.concurrency < 1:
             raise ConfigError(f"concurrency must be at least 1, got {self.concurrency!r}")
         if not self.lease > 0:
@@ -75,6 +85,32 @@ class WorkerConfig:
                 else f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}")
         object.__setattr__(self, "worker_name", name)
 
+    def _check_slots(self) -> None:
+        slots = tuple((str(name), count) for name, count in self.queue_slots or ())
+        if not slots:
+            raise ConfigError("queues with slots needs at least one queue, e.g. {'default': 4}")
+        for name, count in slots:
+            if not name.strip():
+                raise ConfigError("a queue name must not be empty")
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ConfigError(f"queue {name!r} needs at least 1 slot, got {count!r}")
+        names = [name for name, _ in slots]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"queue {sorted(n for n in names if names.count(n) > 1)[0]!r} is given twice")
+        if self.queues is not None and tuple(self.queues) != tuple(names):
+            raise ConfigError("give queues either as names or with slots, not both")
+        total = sum(count for _, count in slots)
+        if self.concurrency != total:
+            raise ConfigError(f"concurrency ({self.concurrency}) must be the sum of the queues' slots ({total}) or "
+                              "left out: with per-queue slots each queue has its own threads")
+        object.__setattr__(self, "queue_slots", slots)
+        object.__setattr__(self, "queues", tuple(names))
+
+    @property
+    def slots(self) -> dict[str, int] | None:
+        """Handler threads per queue, or None when all queues share ``concurrency``."""
+        return dict(self.queue_slots) if self.queue_slots else None
+
     @property
     def pool_size(self) -> int:
         """Connections this worker may hold at once: size an engine's pool with it."""
@@ -97,3 +133,50 @@ def check_pool(engine: Engine, config: WorkerConfig) -> None:
             "and fail. Create the engine with create_engine(url, pool_size=%d)",
             config.worker_name, capacity, config.concurrency, needed, needed,
         )
+
+
+def split_queues(
+    queues: Iterable[str] | Mapping[str, int] | None, concurrency: int | None
+) -> tuple[int, tuple[str, ...] | None, tuple[tuple[str, int], ...] | None]:
+    """``Worker(queues=..., concurrency=...)`` as (concurrency, names, slots) for ``WorkerConfig``.
+
+    A mapping gives each queue its slots and concurrency defaults to their sum;
+    names (or None: every queue) share ``concurrency`` threads (default 4).
+    """
+    if isinstance(queues, str):
+        raise ConfigError(f"queues must be a list of names or a mapping of name to slots, not the string {queues!r}")
+    if isinstance(queues, Mapping):
+        slots = tuple(queues.items())
+        total = sum(count for _, count in slots if isinstance(count, int))
+        return (total if concurrency is None else concurrency), None, slots
+    names = tuple(queues) if queues else None
+    return (4 if concurrency is None else concurrency), names, None
+
+
+def parse_queue_options(options: list[str]) -> list[str] | dict[str, int]:
+    """``--queue`` values: ``NAME`` (queues share ``--concurrency``) or ``NAME=SLOTS`` (each its own threads)."""
+    parsed: dict[str, int | None] = {}
+    for option in options:
+        name, has_slots, raw = option.partition("=")
+        name = name.strip()
+        if not name:
+            raise ConfigError(f"--queue {option!r}: give a queue name, e.g. --queue emails or --queue emails=2")
+        if name in parsed:
+            raise ConfigError(f"--queue {name!r} is given twice")
+        if has_slots:
+            try:
+                slots = int(raw)
+            except ValueError:
+                slots = 0
+            if slots < 1:
+                raise ConfigError(f"--queue {option!r}: SLOTS must be a whole number >= 1, e.g. --queue {name}=2")
+            parsed[name] = slots
+        else:
+            parsed[name] = None
+    with_slots = [name for name, slots in parsed.items() if slots is not None]
+    if not with_slots:
+        return list(parsed)
+    if len(with_slots) != len(parsed):
+        bare = next(name for name, slots in parsed.items() if slots is None)
+        raise ConfigError(f"--queue {bare!r} has no slots while others do: give every queue NAME=SLOTS, or none")
+    return {name: slots for name, slots in parsed.items() if slots is not None}

@@ -48,7 +48,7 @@ from ._models import STATES
 from ._process import WorkerProcess, run_worker_process
 from ._signals import stop_signals
 from ._supervisor import supervise
-from ._worker_config import WorkerConfig
+from ._worker_config import WorkerConfig, parse_queue_options, split_queues
 from .errors import ConfigError, ConnectionProblem, SqlaJobsError
 from .web._cli import add_dashboard_parser
 
@@ -64,9 +64,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     stop_signals()  # first: a SIGTERM/SIGINT while starting is a graceful stop, not a kill
     if args.processes < 1:
         raise ConfigError("--processes must be at least 1")
+    if args.queue and args.queues:
+        raise ConfigError("give queues with --queue (repeatable) or --queues, not both")
+    named = parse_queue_options(args.queue) if args.queue else (args.queues.split(",") if args.queues else None)
+    concurrency, names, slots = split_queues(named, args.concurrency)
     config = WorkerConfig(  # checked before connecting, so an error is about the option
-        concurrency=args.concurrency,
-        queues=tuple(args.queues.split(",")) if args.queues else None,
+        concurrency=concurrency,
+        queues=names,
+        queue_slots=slots,
         lease=args.lease,
         heartbeat=args.heartbeat,
         poll_interval=args.poll_interval,
@@ -192,8 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="claim and run jobs until stopped")
     _common(p)
-    p.add_argument("--concurrency", type=int, default=4, help="handler threads (default 4)")
+    p.add_argument("--concurrency", type=int, default=None,
+                   help="handler threads (default 4; with --queue NAME=SLOTS, the sum of the slots)")
     p.add_argument("--burst", action="store_true", help="run every due job, then exit 0")
+    p.add_argument("--queue", action="append", metavar="NAME[=SLOTS]",
+                   help="take jobs from this queue (repeat for more); NAME=SLOTS gives the queue SLOTS threads "
+                        "of its own, so a busy queue never delays another (default: every queue, shared threads)")
     p.add_argument("--queues", help="comma-separated queue names to take jobs from (default: all)")
     p.add_argument("--lease", type=_positive(float), default=60.0,
                    help="seconds a claim lasts without a heartbeat")
@@ -299,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     _job_id(p, "the job's id (a dead job's too)")
     _json_flag(p, "the job")
     p.set_defaults(func=cmd_jobs_show)
-    p = jsub.add_parser("cancel", help="a pending job never runs; a running one is cancelled at its end")
+    p = jsub.add_parser("cancel", help="a pending job never runs; a running one is told to stop and ends cancelled")
     _common(p)
     _job_id(p, "the id of the job to cancel")
     p.set_defaults(func=cmd_jobs_cancel)

@@ -232,3 +232,96 @@ def kill_own_backend(payload: dict[str, Any]) -> None:
     session = current_job().session
     assert session is not None
     session.execute(text("select pg_terminate_backend(pg_backend_pid())"))
+
+
+# -- results, progress and cancelling a running job (docs/howto/results.md, cancelling.md) -----------------
+
+
+@queue.handler("result_value")
+def answer(payload: dict[str, Any]) -> Any:
+    """Returns ``payload["value"]`` (None when absent), after setting each of ``payload["progress"]``."""
+    for step in payload.get("progress", []):
+        current_job().set_progress(step)
+    return payload.get("value")
+
+
+@queue.handler("result_async")
+async def answer_async(payload: dict[str, Any]) -> Any:
+    return {"async": payload.get("value")}
+
+
+@queue.handler("result_tx", transactional=True)
+def answer_tx(payload: dict[str, Any]) -> Any:
+    job = current_job()
+    assert job.session is not None
+    job.session.add(Once(job_id=job.id))
+    return {"committed_with": job.id}
+
+
+@queue.handler("result_tx_bad", transactional=True)
+def answer_tx_bad(payload: dict[str, Any]) -> Any:
+    job = current_job()
+    assert job.session is not None
+    job.session.add(Once(job_id=job.id))
+    return {1, 2}
+
+
+@queue.handler("result_bad")
+def bad_result(payload: dict[str, Any]) -> Any:
+    return {"when": datetime(2026, 1, 1)}
+
+
+@queue.handler("progress")
+def progress(payload: dict[str, Any]) -> Any:
+    """Sets progress 1 of 2, waits for ``payload["marker"]`` (a file) to exist, sets 2 of 2, returns."""
+    current_job().set_progress({"done": 1, "total": 2})
+    deadline = time.monotonic() + 60
+    while not os.path.exists(payload["marker"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    current_job().set_progress({"done": 2, "total": 2})
+    return "all done"
+
+
+@queue.handler("cooperative")
+def cooperative(payload: dict[str, Any]) -> Any:
+    """Waits (at most 60 s) for the cancel request to reach it, then stops as ``payload["mode"]`` says:
+    ``return`` (a value), ``raise`` (``check_cancelled()``), ``error`` (any exception), or ``ignore``
+    (never looks: sleeps ``payload["seconds"]`` and returns)."""
+    record("start")
+    job = current_job()
+    mode = payload["mode"]
+    if mode == "ignore":
+        time.sleep(payload["seconds"])
+        record("finish")
+        return "ignored the request"
+    job.cancelled.wait(60)
+    record("cancelled" if job.cancel_requested else "gave up")
+    if mode == "raise":
+        job.check_cancelled()
+    if mode == "error":
+        raise RuntimeError("stopping because of the request")
+    return "stopped early"
+
+
+@queue.handler("cooperative_async")
+async def cooperative_async(payload: dict[str, Any]) -> Any:
+    """Sleeps 60 s unless cancelled: the request arrives as asyncio.CancelledError."""
+    import asyncio  # here, so the shared import block above stays as it is
+
+    record("start")
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        record("cancelled")
+        raise
+    return "slept"
+
+
+@queue.handler("cooperative_tx", transactional=True)
+def cooperative_tx(payload: dict[str, Any]) -> Any:
+    """A transactional handler that writes, then returns once the cancel request reached it."""
+    job = current_job()
+    assert job.session is not None
+    job.session.add(Once(job_id=job.id))
+    job.cancelled.wait(60)
+    return "wrote, then saw the request"

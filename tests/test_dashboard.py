@@ -117,6 +117,17 @@ def test_job_page_shows_errors_per_attempt_timings_and_lease_owner(db: Database)
     assert "ran (claim → end)</th><td>" in html and "ran (claim → end)</th><td>-" not in html
 
 
+def test_job_page_shows_result_and_progress_as_escaped_text(db: Database) -> None:
+    job_id = enqueue(db.engine, "result_value", {"value": {"rows": 12, "note": "<b>bold</b>"},
+                                                 "progress": [{"done": 12}]})
+    run_burst(db.engine)
+    html = client(db).get(f"/jobs/{job_id}").text
+    assert "<h2>Result</h2>" in html and "&#34;rows&#34;: 12" in html.replace("&quot;", "&#34;")
+    assert "<h2>Progress</h2>" in html and "<b>bold" not in html
+    plain = client(db).get(f"/jobs/{enqueue(db.engine, 'record')}").text
+    assert "<h2>Result</h2>" not in plain  # nothing returned, nothing shown
+
+
 def test_payloads_and_errors_render_as_text(db: Database) -> None:
     evil = "<script>alert('x')</script>"
     job_id = enqueue(db.engine, "record", {"note": evil, "<b>key</b>": 1})

@@ -9,6 +9,7 @@ touched; a test that needs a second schema creates and drops its own.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -63,7 +64,7 @@ queue = JobQueue(Task, DeadTask)
 
 @queue.handler("ok")
 def ok(payload):
-    pass
+    return [payload["n"]]  # stored in the result column (an older schema gets it by migration)
 
 
 @queue.handler("broken")
@@ -127,7 +128,9 @@ class Project:
         self.sqla_jobs("worker", "--app", "jobmodels:queue", "--burst", "--concurrency", "2")
         with self.db.engine.connect() as conn:
             states = sorted(conn.execute(text(f"SELECT kind, state FROM {table}")).all())
+            results = conn.execute(text(f"SELECT result FROM {table} WHERE kind = 'ok'")).scalars().all()
         assert states == [("ok", "finished")] * 5
+        assert sorted(json.loads(r) if isinstance(r, str) else r for r in results) == [[0], [1], [2], [3], [4]]
 
 
 def set_url(project: Project, db: Database) -> None:
@@ -363,23 +366,24 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
 
     refused = project.sqla_jobs("worker", "--app", "jobmodels:queue", "--burst", check=False)
     assert refused.returncode == 2
-    assert "lacks column(s) cancelled_at, errors, isolate, unique_held, unique_key, unique_states" in refused.stderr
+    assert "lacks column(s) cancelled_at, errors, isolate, progress, result, unique_held, unique_key, unique_states" \
+        in refused.stderr
     assert "sqla-jobs migrations render" in refused.stderr
 
     out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_partial_db.url).stdout
     [revision] = project.revisions()
     source = revision.read_text()
-    # Exactly the difference: eight columns, three new indexes, the claim index rebuilt in its new column
+    # Exactly the difference: ten columns, three new indexes, the claim index rebuilt in its new column
     # order, and on PostgreSQL the NOTIFY trigger; nothing created or dropped besides.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
     # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
-    expected = sorted(["add_column"] * 8 + ["create_index"] * 4 + ["drop_index"] + ["get_bind"] + trigger)
+    expected = sorted(["add_column"] * 10 + ["create_index"] * 4 + ["drop_index"] + ["get_bind"] + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
         ("app_dead_tasks", "errors"), ("app_dead_tasks", "unique_key"), ("app_tasks", "cancelled_at"),
-        ("app_tasks", "errors"), ("app_tasks", "isolate"), ("app_tasks", "unique_held"), ("app_tasks", "unique_key"),
-        ("app_tasks", "unique_states"),
+        ("app_tasks", "errors"), ("app_tasks", "isolate"), ("app_tasks", "progress"), ("app_tasks", "result"),
+        ("app_tasks", "unique_held"), ("app_tasks", "unique_key"), ("app_tasks", "unique_states"),
     ]
     # NOT NULL with a server default, so the rows already there get false and the upgrade needs no data step.
     isolate = r"sa\.Column\('isolate', sa\.Boolean\(\), server_default=sa\.text\('\(?false\)?'\), nullable=False\)"
@@ -541,7 +545,8 @@ def test_wheel_ships_the_templates(tmp_path: Path) -> None:
 # Columns an older schema could lack that SQLite can drop (nullable, in no index), per table of tests.app.
 DROPPABLE_COLUMNS = [
     ("jobs", "cancelled_at"), ("jobs", "errors"), ("jobs", "last_error"), ("jobs", "locked_by"),
-    ("jobs", "claim_token"), ("jobs", "isolate"), ("dead_jobs", "errors"), ("dead_jobs", "last_error"),
+    ("jobs", "claim_token"), ("jobs", "isolate"), ("jobs", "result"), ("jobs", "progress"), ("dead_jobs", "errors"),
+    ("dead_jobs", "last_error"),
 ]
 QUEUE_INDEX_NAMES = ["ix_jobs_pending", "ix_jobs_running", "ix_jobs_finished", "ix_dead_jobs_kind"]
 

@@ -51,8 +51,8 @@ def test_public_names_are_pinned() -> None:
 APP_METHODS = [
     "aio", "cancel", "check_job", "check_schema", "create_tables", "dashboard", "driver", "emit", "enqueue",
     "enqueue_many", "enqueue_periodic", "enqueue_unique", "get_dead", "get_job", "handler", "list_dead", "list_jobs",
-    "listens", "off", "on", "periodic", "prune", "purge_dead", "requeue_dead", "retry_delay", "retry_now", "stats",
-    "unknown_kind_message",
+    "listens", "off", "on", "periodic", "prune", "purge_dead", "requeue_dead", "result", "retry_delay", "retry_now",
+    "stats", "unknown_kind_message",
 ]
 
 

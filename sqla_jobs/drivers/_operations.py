@@ -285,6 +285,7 @@ class Operations:
             .values(cancelled_at=func.coalesce(t.c.cancelled_at, now))
         )
         if conn.execute(stmt).rowcount == 1:
+            self.notify(conn)  # where workers listen, the one running it asks at once, not at its next heartbeat
             return True, "running"
         state = conn.execute(select(t.c.state).where(t.c.id == job_id)).scalar()
         return False, None if state is None else str(state)

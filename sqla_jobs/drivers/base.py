@@ -43,6 +43,7 @@ from sqlalchemy import (
 from sqlalchemy.schema import CreateIndex
 from sqlalchemy.sql.elements import ColumnElement
 
+from ._flow import Flow
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
 from ._unique import Uniqueness
@@ -118,7 +119,7 @@ class Listener(Protocol):
     def stop(self) -> None: ...
 
 
-class Driver(Setup, Operations, Uniqueness):
+class Driver(Setup, Operations, Uniqueness, Flow):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and

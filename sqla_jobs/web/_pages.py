@@ -164,6 +164,9 @@ def job(request: Request) -> Response:
         request, "job.html", job=data, dead=dead, state="dead" if dead else data["state"], timings=timings,
         payload=json.dumps(data.get("payload"), indent=2, ensure_ascii=False, default=str),
         errors=data.get("errors") or [],
+        # What the handler returned and how far it got (docs/howto/results.md); a dead job has neither.
+        documents={name: json.dumps(data[name], indent=2, ensure_ascii=False, default=str)
+                   for name in ("progress", "result") if data.get(name) is not None},
     )
 
 
