@@ -621,43 +621,48 @@ def test_render_errors_are_one_line(tmp_path: Path) -> None:
 
 def downgrade_to_0_1(db: Database, jobs: str = "app_tasks", dead: str = "app_dead_tasks") -> None:
     """Turn this version's job tables into sqla-jobs 0.1's: no unique keys (their indexes first, then the
-    generated column, then the columns it reads)."""
+    generated column, then the columns it reads), no result or progress."""
     on = (lambda table: f" ON {table}") if db.backend == "mariadb" else (lambda table: "")
     with db.engine.begin() as conn:
         for index in (f"ux_{jobs}_unique", f"ix_{jobs}_unique_key"):
             conn.execute(text(f"DROP INDEX {index}{on(jobs)}"))
-        for column in ("unique_held", "unique_states", "unique_key"):
+        for column in ("unique_held", "unique_states", "unique_key", "result", "progress"):
             conn.execute(text(f"ALTER TABLE {jobs} DROP COLUMN {column}"))
         conn.execute(text(f"ALTER TABLE {dead} DROP COLUMN unique_key"))
 
 
 def test_upgrade_in_place_from_0_1(empty_db: Database, tmp_path: Path) -> None:
-    """A 0.1 database with jobs in it gets the unique-key columns and indexes in place, on every backend:
-    render writes exactly those, the rows stay, a worker runs them, and unique enqueues work after."""
+    """A 0.1 database with jobs in it gets the unique-key, result and progress columns and the indexes in
+    place, on every backend: render writes exactly those, the rows stay, a worker runs them, results are
+    stored, and unique enqueues work after."""
     project = user_project(tmp_path, empty_db)
     project.alembic("revision", "--autogenerate", "-m", "jobs")
     project.alembic("upgrade", "head")
     downgrade_to_0_1(empty_db)
     with empty_db.engine.begin() as conn:  # a job left from 0.1
-        conn.execute(text("INSERT INTO app_tasks (kind, payload) VALUES ('ok', '{}')"))
+        conn.execute(text("INSERT INTO app_tasks (kind, payload) VALUES ('ok', '{\"n\": 1}')"))
     out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_db.url).stdout
     # (Autogenerate cannot see the NOTIFY trigger, so render adds it on PostgreSQL.)
     summary = sorted(line.strip() for line in out.splitlines() if line.startswith("  ") and "trigger" not in line)
     assert summary == [
-        "add column app_dead_tasks.unique_key", "add column app_tasks.unique_held",
-        "add column app_tasks.unique_key", "add column app_tasks.unique_states",
+        "add column app_dead_tasks.unique_key", "add column app_tasks.progress", "add column app_tasks.result",
+        "add column app_tasks.unique_held", "add column app_tasks.unique_key", "add column app_tasks.unique_states",
         "create index ix_app_tasks_unique_key", "create index ux_app_tasks_unique",
     ], out
     project.alembic("upgrade", "head")
     project.check_clean()
     project.run("-c", "import os; from sqlalchemy import create_engine; from sqlalchemy.orm import Session; "
                 "import jobmodels as m; e = create_engine(os.environ['SQLA_JOBS_URL']); "
-                "s = Session(e); r = [m.queue.enqueue_unique(s, 'ok', {}, unique_key='k').inserted for _ in 'ab']; "
+                "s = Session(e); "
+                "r = [m.queue.enqueue_unique(s, 'ok', {'n': 2}, unique_key='k').inserted for _ in 'ab']; "
                 "s.commit(); assert r == [True, False], r")
-    project.sqla_jobs("worker", "--app", "jobmodels:queue", "--burst")
+    worker = project.sqla_jobs("worker", "--app", "jobmodels:queue", "--burst")
     with empty_db.engine.connect() as conn:
         rows = conn.execute(text("SELECT unique_key, state FROM app_tasks ORDER BY id")).all()
-    assert [tuple(r) for r in rows] == [(None, "finished"), ("k", "finished")]
+    assert [tuple(r) for r in rows] == [(None, "finished"), ("k", "finished")], worker.stderr
+    with empty_db.engine.connect() as conn:  # and the upgraded table keeps the handlers' results
+        results = conn.execute(text("SELECT result FROM app_tasks ORDER BY id")).scalars().all()
+    assert [json.loads(r) if isinstance(r, str) else r for r in results] == [[1], [2]]
     project.alembic("downgrade", "-1")  # back to 0.1, and up again
     project.alembic("upgrade", "head")
     project.check_clean()
@@ -673,5 +678,5 @@ def test_create_tables_on_a_0_1_database_leaves_the_new_columns_to_a_migration(d
     assert created.returncode == 0, created.stderr
     refused = run_cli("worker", "--app", "tests.app:queue", "--burst", env=db.env())
     assert refused.returncode == 2, refused.stderr
-    assert "lacks column(s) unique_held, unique_key, unique_states" in refused.stderr
+    assert "lacks column(s) progress, result, unique_held, unique_key, unique_states" in refused.stderr
     assert "sqla-jobs migrations render" in refused.stderr
