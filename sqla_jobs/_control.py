@@ -1,7 +1,8 @@
 """The worker's control loop: decisions only.
 
 Each turn it asks, in order: has a run passed its timeout? Is a heartbeat due
-(which also reaps jobs whose worker vanished)? Is pruning due? Should the
+(which also renews the maintenance lease and, on the elected worker, reaps jobs
+whose worker vanished)? Is pruning due (on the elected worker)? Should the
 batch of outcomes be written now? Should it claim? Then: is it done, or how
 long may it sleep? The database work is ``Store``'s, the threads are
 ``Executor``'s; this module only decides when to ask them.
@@ -39,6 +40,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ._executor import Executor, Outcome
+from ._maintenance import Maintenance
 from ._store import Store
 from ._worker_config import WorkerConfig
 from .drivers.base import Claimed, Fence
@@ -60,8 +62,10 @@ Claim = tuple[Sequence[str] | None, int]
 
 
 class Control:
-    def __init__(self, config: WorkerConfig, store: Store, executor: Executor, wake: threading.Event) -> None:
+    def __init__(self, config: WorkerConfig, store: Store, executor: Executor, wake: threading.Event,
+                 maintenance: Maintenance | None = None) -> None:
         self.config = config
+        self.maintenance = maintenance or Maintenance(None)
         self.store = store
         self.executor = executor
         self.wake = wake
@@ -205,7 +209,7 @@ class Control:
 
     def _should_prune(self, now: float) -> bool:
         """With ``prune_after``: one batch per turn, at most once a minute unless the last batch was full."""
-        return self.config.prune_after is not None and now >= self._next_prune
+        return self.config.prune_after is not None and now >= self._next_prune and self.maintenance.acting
 
     # -- steps -----------------------------------------------------------------------------
 
@@ -288,7 +292,8 @@ class Control:
                 if run is not None and not run.abandoned and ex.abandon(run):
                     log.warning("job %d %s: lease lost while running; its result will be discarded",
                                 run.job.id, run.job.kind)
-        self.store.reap()
+        if self.maintenance.renew():  # the elected worker reaps for all (sqla_jobs.leader)
+            self.store.reap()
 
     def _check_cancels(self, now: float) -> None:
         """A notification came: ask now (not at the next heartbeat) whether a live run was cancelled."""

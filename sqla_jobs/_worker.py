@@ -56,6 +56,10 @@ With ``prune_after`` (seconds; ``--prune-finished-older-than`` on the command
 line) the control loop also deletes finished and cancelled jobs older than
 that, one small batch at a time and one worker at a time (see
 docs/howto/operations.md).
+
+Reaping and pruning are the elected worker's (``leader=True``, the default:
+``sqla_jobs.leader``, renewed at each heartbeat, handed over on stop); with
+``leader=False`` (``--no-leader``) and in burst mode every worker does them.
 """
 
 from __future__ import annotations
@@ -71,11 +75,13 @@ from . import _signals
 from ._app import JobQueue
 from ._control import Control
 from ._executor import Executor
+from ._maintenance import Maintenance
 from ._outage import database_key
 from ._periodic import Scheduler
 from ._store import Store
 from ._worker_config import WorkerConfig, check_pool, split_queues
 from .drivers.base import Driver
+from .leader import Leadership
 
 __all__ = ["Worker"]
 
@@ -108,12 +114,13 @@ class Worker:
         listen: bool = True,
         name: str | None = None,
         prune_after: float | None = None,
+        leader: bool = True,
     ) -> None:
         concurrency, names, slots = split_queues(queues, concurrency)
         self._setup(engine, queue, WorkerConfig(
             concurrency=concurrency, queues=names, queue_slots=slots, lease=lease, heartbeat=heartbeat,
             poll_interval=poll_interval, grace=grace, batch_size=batch_size, flush_interval=flush_interval,
-            listen=listen, name=name, prune_after=prune_after,
+            listen=listen, name=name, prune_after=prune_after, leader=leader,
         ))
 
     @classmethod
@@ -146,7 +153,8 @@ class Worker:
         self._store = Store(engine, queue, self.sql, self.name, config.lease, config.queues)
         self._executor = Executor(engine, queue, self.sql, config.concurrency, self.name,
                                   database_key(engine.url), self._wake, count_queues=config.slots is not None)
-        self._control = Control(config, self._store, self._executor, self._wake)
+        self._maintenance = Maintenance(None)  # run() elects, unless burst or leader=False
+        self._control = Control(config, self._store, self._executor, self._wake, self._maintenance)
 
     @property
     def processed(self) -> int:
@@ -173,12 +181,16 @@ class Worker:
         signals = _signals.stop_signals() if install_signals else None
         try:
             self._store.prepare(self.listen, self.config.poll_interval)
+            if self.config.leader and not burst:  # a burst worker keeps its own upkeep: it is gone soon
+                self._maintenance.leadership = Leadership(self.engine, self.queue, self.name, lease=self.lease)
             self._executor.start()
             wake = self._control.wake_from_database
             listener = self.sql.listener(self.engine, wake, self.name) if self.listen else None
             if listener is not None:
                 listener.start()
             # The app's periodic jobs: every long-running worker enqueues due slots (sqla_jobs._periodic).
+            # Not only the elected worker: a slot must not wait for a new leader (up to a lease), and the
+            # database lets one job per slot in whoever asks.
             scheduler = (Scheduler(self.queue, self.engine, prune_after=self.prune_after)
                          if self.queue.schedules and not burst else None)
             if scheduler is not None:
@@ -193,6 +205,7 @@ class Worker:
             finally:
                 if scheduler is not None:
                     scheduler.stop()
+                self._maintenance.resign()  # the next worker takes the upkeep over at once
                 if listener is not None:
                     listener.stop()
                 self._store.close()

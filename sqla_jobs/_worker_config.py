@@ -50,6 +50,7 @@ class WorkerConfig:
     listen: bool = True
     name: str | None = None  # "{pid}" becomes the process id; None: HOST:PID:RANDOM
     prune_after: float | None = None
+    leader: bool = True  # elect one worker for the upkeep (sqla_jobs.leader); False: every worker does it
     # Filled in by __post_init__: the heartbeat actually used and the name with its pid.
     heartbeat_every: float = field(init=False)
     worker_name: str = field(init=False)

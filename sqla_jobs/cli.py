@@ -79,6 +79,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         listen=not args.no_listen,
         name=args.name,
         prune_after=parse_duration(args.prune_finished_older_than) if args.prune_finished_older_than else None,
+        leader=not args.no_leader,
     )
     spec = WorkerProcess(args.app, args.url, config, burst=args.burst, metrics_port=args.metrics_port,
                          metrics_addr=args.metrics_addr, log_level=args.log_level)
@@ -211,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-interval", type=_positive(float), default=1.0, help="seconds between polls when idle")
     p.add_argument("--grace", type=_not_negative, default=30.0, help="seconds running jobs get to finish on SIGTERM")
     p.add_argument("--no-listen", action="store_true", help="poll only (e.g. behind PgBouncer)")
+    p.add_argument("--no-leader", action="store_true",
+                   help="every worker reaps and prunes, instead of one elected worker (sqla_jobs.leader)")
     p.add_argument("--processes", type=int, default=1,
                    help="worker processes, each with --concurrency threads (default 1)")
     p.add_argument("--name", default=None,

@@ -33,6 +33,12 @@ The rules:
   the next worker takes over on its next renewal instead of a lease later. A
   leader that dies without resigning is replaced within a lease plus one
   renewal interval.
+* **A lease that cannot work.** When renewals fail ``BROKEN_AFTER`` times in
+  a row for a reason other than a lost connection (the table cannot be
+  created, has another shape, or the role may not write it), ``broken``
+  turns true and an error is logged: the worker then does its maintenance
+  itself, as every worker did before elections, which is always safe. A
+  later renewal that works ends that.
 
 Declare the table in your metadata with ``leader_table(queue, Base.metadata)``
 to have alembic autogenerate manage it; otherwise it is created on first use
@@ -43,17 +49,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import BigInteger, Column, Engine, MetaData, String, Table, inspect
 from sqlalchemy.exc import SQLAlchemyError
 
-from ._app import JobQueue
 from ._models import timestamp_type
 from .drivers import _leadership
 from .errors import ConfigError
 
-__all__ = ["DEFAULT_LEASE", "Leadership", "leader_table"]
+if TYPE_CHECKING:
+    from ._app import JobQueue
+
+__all__ = ["BROKEN_AFTER", "DEFAULT_LEASE", "Leadership", "leader_table"]
 
 log = logging.getLogger("sqla_jobs")
 
@@ -61,6 +69,8 @@ log = logging.getLogger("sqla_jobs")
 DEFAULT_LEASE = 15.0
 #: The share of the lease a leader trusts itself for: the rest covers a slow round trip and clock drift.
 _TRUST = 0.8
+#: Renewals failing in a row (not for a lost connection) before the lease is taken as unusable.
+BROKEN_AFTER = 3
 
 #: Leader tables not declared in an application's metadata, by table key.
 _PRIVATE: dict[str, MetaData] = {}
@@ -105,6 +115,12 @@ class Leadership:
         self.term: int | None = None
         self._trusted_until = 0.0
         self._table_checked = False
+        self._faults = 0  # renewals failed in a row, not for a lost connection
+
+    @property
+    def broken(self) -> bool:
+        """Whether the lease itself looks unusable (see the module docstring): then do maintenance anyway."""
+        return self._faults >= BROKEN_AFTER
 
     @property
     def is_leader(self) -> bool:
@@ -121,7 +137,16 @@ class Leadership:
                 term = _leadership.take_or_renew(driver, conn, self.table, self.name, self.holder, self.lease)
         except SQLAlchemyError as exc:
             self._step_down(f"the lease could not be renewed ({type(exc).__name__})")
+            if not self.queue.driver(self.engine).is_disconnect(exc):
+                self._faults += 1
+                if self._faults == BROKEN_AFTER:
+                    log.error("leader: the lease in %s fails (%s); this worker does its own maintenance until it "
+                              "works. Check the table: see leader_table() in sqla_jobs.leader",
+                              self.table.name, str(exc).splitlines()[0])
             return False
+        if self._faults >= BROKEN_AFTER:
+            log.warning("leader: the lease in %s works again", self.table.name)
+        self._faults = 0
         if term is None:
             self._step_down("another worker holds the lease")
             return False

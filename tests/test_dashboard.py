@@ -7,6 +7,7 @@ import re
 from datetime import datetime, timedelta, timezone
 
 from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
 from starlette.testclient import TestClient
 
 from sqla_jobs.web import dashboard, record_sample, samples_table
@@ -72,6 +73,20 @@ def test_bad_filters_get_a_clear_error(db: Database) -> None:
     assert r.status_code == 400 and "is not a duration" in r.text
     r = web.get("/jobs", params={"id": "12; DROP TABLE jobs"})
     assert r.status_code == 400 and "not a job id" in r.text
+
+
+def test_jobs_filter_by_unique_key_and_its_periods(db: Database) -> None:
+    with Session(db.engine) as session, session.begin():
+        keyed = app.queue.enqueue_unique(session, "record", {}, unique_key="order-42").id
+        period = app.queue.enqueue_unique(session, "record", {}, unique_key="report", unique_period=3600).id
+        app.queue.enqueue_unique(session, "record", {}, unique_key="order-420")
+    plain = enqueue(db.engine, "record")
+    web = client(db)
+    page = web.get("/jobs", params={"unique_key": "order-42"}).text
+    assert ids_on(page) == [keyed] and "order-42" in page
+    assert ids_on(web.get("/jobs", params={"unique_key": "report"}).text) == [period]  # its period, report@...
+    assert ids_on(web.get("/jobs", params={"unique_key": "%"}).text) == []  # a LIKE wildcard matches nothing
+    assert plain in ids_on(web.get("/jobs").text)
 
 
 def test_filters_are_bound_parameters(db: Database) -> None:
@@ -224,7 +239,9 @@ def test_the_wheel_ships_the_templates_scripts_and_their_licences() -> None:
     assert web.joinpath("templates", "overview.html").is_file()
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert '"sqla_jobs.web" = ["templates/*.html", "static/*"]' in pyproject  # package-data: wheels carry them
-    assert '"sqla_jobs.drivers", "sqla_jobs.web"' in pyproject
+    import tomllib
+
+    assert "sqla_jobs.web" in tomllib.loads(pyproject)["tool"]["setuptools"]["packages"]
 
 
 def test_the_app_object_mounts_its_own_dashboard(db: Database) -> None:

@@ -25,6 +25,7 @@ def job_page(
     state: str | None = None,
     kind: str | None = None,
     queue: str | None = None,
+    unique_key: str | None = None,
     since: float | None = None,
     before_id: int | None = None,
     limit: int = 50,
@@ -34,12 +35,13 @@ def job_page(
     Keyset pagination: the next page starts ``before_id`` (the last id shown), so
     page 1000 costs what page 1 costs, walking the primary key backwards; no
     OFFSET and no COUNT over a million rows. ``since``: created within that many seconds.
+    ``unique_key`` matches the key and its periods (``key@<period start>``), as ``jobs list`` does.
     """
     t = sql.jobs
     stmt = (
         select(
             t.c.id, t.c.kind, t.c.queue, t.c.state, t.c.attempts, t.c.max_attempts, t.c.priority,
-            t.c.created_at, t.c.run_at, t.c.finished_at, t.c.locked_by,
+            t.c.created_at, t.c.run_at, t.c.finished_at, t.c.locked_by, t.c.unique_key,
             func.substr(t.c.last_error, 1, ERROR_PREVIEW).label("last_error"),
         )
         .order_by(t.c.id.desc())
@@ -51,6 +53,8 @@ def job_page(
         stmt = stmt.where(t.c.kind == kind)
     if queue is not None:
         stmt = stmt.where(t.c.queue == queue)
+    if unique_key is not None:
+        stmt = stmt.where(sql.key_or_periods(unique_key))
     if since is not None:
         stmt = stmt.where(t.c.created_at >= sql.ago(since))
     if before_id is not None:

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import Connection, Select, Table, and_, delete, func, insert, inspect, or_, select, update
+from sqlalchemy import Connection, Select, Table, and_, delete, func, insert, inspect, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import SchemaError
@@ -236,8 +236,7 @@ class Operations:
         if queue is not None:
             stmt = stmt.where(t.c.queue == queue)
         if unique_key is not None:
-            stmt = stmt.where(or_(t.c.unique_key == unique_key, t.c.unique_key.startswith(f"{unique_key}@",
-                                                                                         autoescape=True)))
+            stmt = stmt.where(self.key_or_periods(unique_key))
         return list(conn.execute(stmt))
 
     def list_dead(

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, Table, Text, insert, literal, select
+from sqlalchemy import Connection, Table, Text, insert, literal, or_, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -30,6 +30,11 @@ class Uniqueness:
 
     jobs: Table
     dead: Table
+
+    def key_or_periods(self, key: str) -> ColumnElement[bool]:
+        """Jobs whose ``unique_key`` is ``key`` or one of its periods (``key@<period start>``): the filters'."""
+        t = self.jobs
+        return or_(t.c.unique_key == key, t.c.unique_key.startswith(f"{key}@", autoescape=True))
 
     def payload_value(self, text: str) -> ColumnElement[Any]:
         """The payload's JSON text as a value for an INSERT into the payload column."""

@@ -120,7 +120,7 @@ def _filters(request: Request) -> dict[str, Any]:
     if before is not None and not before.isdigit():
         raise ConfigError(f"before must be a job id, got {before!r}")
     return {"state": state, "kind": q.get("kind") or None, "queue": q.get("queue") or None,
-            "since": since, "before_id": int(before) if before else None}
+            "unique_key": q.get("unique_key") or None, "since": since, "before_id": int(before) if before else None}
 
 
 def jobs(request: Request) -> Response:

@@ -22,7 +22,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, String, literal, select, union_all
 from sqlalchemy.orm import Session
 
 from tests import app
@@ -137,11 +137,17 @@ def effects(engine: Engine, job_id: int | None = None, event: str | None = None)
 def states(engine: Engine, ids: Iterable[int]) -> dict[int, str]:
     """``finished``/``pending``/``running``/``cancelled`` from the jobs table, ``dead`` from dead letters."""
     ids = list(ids)
+    # One statement, so one snapshot: two reads in READ COMMITTED could straddle a dead-letter move's
+    # commit and see the job in both tables although no committed state ever had it twice.
+    both = union_all(
+        select(app.Job.id, app.Job.state).where(app.Job.id.in_(ids)),
+        select(app.DeadJob.id, literal("dead", String)).where(app.DeadJob.id.in_(ids)),
+    )
+    found: dict[int, str] = {}
     with engine.connect() as conn:
-        found = dict(conn.execute(select(app.Job.id, app.Job.state).where(app.Job.id.in_(ids))).all())
-        for (dead_id,) in conn.execute(select(app.DeadJob.id).where(app.DeadJob.id.in_(ids))):
-            assert dead_id not in found, f"job {dead_id} is both in the jobs table and dead-lettered"
-            found[dead_id] = "dead"
+        for job_id, state in conn.execute(both):
+            assert job_id not in found, f"job {job_id} is both in the jobs table and dead-lettered"
+            found[job_id] = state
     return found
 
 
