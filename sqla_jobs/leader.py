@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import BigInteger, Column, Engine, MetaData, String, Table, inspect
 from sqlalchemy.exc import SQLAlchemyError
 
+from ._companion import companion_table
 from ._models import timestamp_type
 from .drivers import _leadership
 from .errors import ConfigError
@@ -72,28 +73,15 @@ _TRUST = 0.8
 #: Renewals failing in a row (not for a lost connection) before the lease is taken as unusable.
 BROKEN_AFTER = 3
 
-#: Leader tables not declared in an application's metadata, by table key.
-_PRIVATE: dict[str, MetaData] = {}
-
 
 def leader_table(queue: JobQueue[Any, Any], metadata: MetaData | None = None) -> Table:
     """``<jobs table>_leader`` of ``queue``, in the jobs table's schema (declared in ``metadata`` if given)."""
-    jobs: Table = queue.job_model.__table__  # type: ignore[attr-defined]
-    name = f"{jobs.name}_leader"
-    key = f"{jobs.schema}.{name}" if jobs.schema else name
-    candidates = [metadata] if metadata is not None else [jobs.metadata, _PRIVATE.setdefault(key, MetaData())]
-    for candidate in candidates:
-        if key in candidate.tables:
-            return candidate.tables[key]
-    return Table(
-        name,
-        candidates[-1],
+    return companion_table(queue, "leader", metadata, lambda name: [
         Column("name", String(64), primary_key=True),
         Column("holder", String(255), nullable=False),
         Column("term", BigInteger, nullable=False),
         Column("expires_at", timestamp_type(), nullable=False),
-        schema=jobs.schema,
-    )
+    ])
 
 
 class Leadership:

@@ -46,6 +46,7 @@ from sqlalchemy import (
 )
 
 from .._app import JobQueue
+from .._companion import companion_table
 from ..drivers import _dashboard as sql_dashboard
 
 __all__ = ["KEEP", "SAMPLE_INTERVAL", "due", "record_sample", "samples_table", "series"]
@@ -63,29 +64,14 @@ def samples_table(queue: JobQueue[Any, Any], metadata: MetaData | None = None) -
     autogenerate manage it like your other tables. Otherwise it lives in a
     metadata of its own and the dashboard creates it on first use.
     """
-    jobs: Table = queue.job_model.__table__  # type: ignore[attr-defined]
-    name = f"{jobs.name}_samples"
-    key = f"{jobs.schema}.{name}" if jobs.schema else name
-    # Declared: the table is (or becomes) the app's. Undeclared: the app's if it declared it, else our own.
-    candidates = [metadata] if metadata is not None else [jobs.metadata, _PRIVATE.setdefault(key, MetaData())]
-    for candidate in candidates:
-        if key in candidate.tables:
-            return candidate.tables[key]
-    return Table(
-        name,
-        candidates[-1],
+    return companion_table(queue, "samples", metadata, lambda name: [
         Column("id", BigInteger().with_variant(Integer(), "sqlite"), primary_key=True, autoincrement=True),
         Column("taken_at", DateTime(timezone=True), nullable=False, server_default=text("CURRENT_TIMESTAMP")),
         Column("series", String(16), nullable=False),
         Column("label", String(255), nullable=False, server_default=""),
         Column("value", Float, nullable=False),
         Index(f"ix_{name}_taken_at", "taken_at"),
-        schema=jobs.schema,
-    )
-
-
-#: Samples tables not declared in an application's metadata, by table key.
-_PRIVATE: dict[str, MetaData] = {}
+    ])
 
 
 def due(engine: Engine, queue: JobQueue[Any, Any], interval: float = SAMPLE_INTERVAL) -> bool:
