@@ -405,7 +405,7 @@ def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> N
 
 @event.listens_for(JobMixin, "instrument_class", propagate=True)
 def _add_notify_trigger(mapper: Mapper[Any], cls: type[JobMixin]) -> None:
-    """Create the wake-up trigger with the table, on PostgreSQL (see ``drivers.postgresql.notify_trigger_ddl``).
+    """Create the wake-up trigger with the table, on PostgreSQL (see ``drivers.pg_notify.notify_trigger_ddl``).
 
     ``create_all`` and ``sqla-jobs create-tables`` create it; the rendered
     alembic revision creates it too. Without it workers still find new jobs

@@ -1,7 +1,7 @@
 """PostgreSQL LISTEN: a thread that wakes an idle worker when a job is enqueued.
 
 The jobs table's trigger sends a NOTIFY on the table's channel when an
-enqueuing transaction commits (``postgresql.notify_trigger_ddl``). This thread
+enqueuing transaction commits (``pg_notify.notify_trigger_ddl``). This thread
 holds one connection outside the pool, in autocommit mode, listening on that
 channel, and calls ``wake`` for each notification. It reconnects on errors:
 the first reconnect is immediate (a checkout never hands out a connection the

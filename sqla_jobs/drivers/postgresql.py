@@ -57,14 +57,9 @@ from ._unique import on_conflict_insert
 from .base import Claimed, Driver, Fence, IndexDefinition
 from .pg_claim import run_claim
 from .pg_listen import PgListener
+from .pg_notify import notify_channel, notify_trigger_ddl, notify_trigger_name, pg_name
 
 __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_trigger_name"]
-
-
-def notify_channel(table: Table) -> str:
-    """The LISTEN/NOTIFY channel of one jobs table (PostgreSQL caps names at 63 bytes)."""
-    name = f"sqla_jobs.{table.schema}.{table.name}" if table.schema else f"sqla_jobs.{table.name}"
-    return name[:63]
 
 
 # The worker's hot path on PostgreSQL, written out so it is built once and is
@@ -116,39 +111,6 @@ def _stored(element: GeneratedColumn, compiler: Any, **kw: Any) -> str:
     return str(compiler.visit_computed_column(Computed(element.sqltext, persisted=True), **kw))
 
 
-def _pg_name(table: Table) -> str:
-    """The table's name as PostgreSQL wants it in hand-written SQL: quoted where needed, with its schema."""
-    return str(postgresql.dialect().identifier_preparer.format_table(table))
-
-
-def notify_trigger_name(table: Table) -> str:
-    return f"{table.name}_notify"[:63]
-
-
-def notify_trigger_ddl(table: Table) -> tuple[str, str]:
-    """PostgreSQL DDL (create, drop) for the trigger that wakes workers on INSERT.
-
-    A statement-level AFTER INSERT trigger: one NOTIFY per INSERT or COPY,
-    delivered at commit, dropped on rollback, and no extra round trip for
-    the application that enqueues. It also fires for rows inserted by
-    plain SQL from other programs.
-    """
-    preparer = postgresql.dialect().identifier_preparer
-    target = _pg_name(table)
-    schema = f"{preparer.quote_schema(table.schema)}." if table.schema else ""
-    function = f"{schema}sqla_jobs_notify"
-    trigger = preparer.quote(notify_trigger_name(table))
-    channel = notify_channel(table).replace("'", "''")
-    create = (
-        f"CREATE OR REPLACE FUNCTION {function}() RETURNS trigger LANGUAGE plpgsql AS "
-        "$$ BEGIN PERFORM pg_notify(TG_ARGV[0], ''); RETURN NULL; END $$;\n"
-        f"CREATE TRIGGER {trigger} AFTER INSERT ON {target} "
-        f"FOR EACH STATEMENT EXECUTE FUNCTION {function}('{channel}')"
-    )
-    drop = f"DROP TRIGGER IF EXISTS {trigger} ON {target}"
-    return create, drop
-
-
 class PostgreSQLDriver(Driver):
     """PostgreSQL: see the module docstring."""
 
@@ -160,7 +122,7 @@ class PostgreSQLDriver(Driver):
         super().__init__(jobs, dead, dbapi)
         self._channel = notify_channel(jobs)
         self._pg_hot = {by_queue: _PG_FINISH_AND_CLAIM.format(
-            table=_pg_name(jobs), queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else ""
+            table=pg_name(jobs), queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else ""
         ) for by_queue in (False, True)}
 
     @property
@@ -274,11 +236,11 @@ class PostgreSQLDriver(Driver):
 
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
         conn.execute(text(
-            f"INSERT INTO {_pg_name(self.jobs)} (kind, queue, payload, state, attempts, locked_at, finished_at) "
+            f"INSERT INTO {pg_name(self.jobs)} (kind, queue, payload, state, attempts, locked_at, finished_at) "
             "SELECT 'noop', 'default', '{}'::jsonb, 'finished', 1, now() - interval '1 day', "
             "now() - interval '1 day' FROM generate_series(1, :n)"
         ), {"n": rows})
-        conn.execute(text(f"ANALYZE {_pg_name(self.jobs)}"))
+        conn.execute(text(f"ANALYZE {pg_name(self.jobs)}"))
 
     def bench_table_stats(self, conn: Connection) -> dict[str, float]:
         # The statistics collector's counters reach pg_stat_user_tables within a second or so.
@@ -289,11 +251,11 @@ class PostgreSQLDriver(Driver):
             "s.autovacuum_count, s.autoanalyze_count, s.vacuum_count, s.n_tup_upd AS updates, "
             "(current_setting('autovacuum') = 'on')::int AS autovacuum_on "
             "FROM pg_stat_user_tables AS s WHERE s.relid = to_regclass(:target)"
-        ), {"target": _pg_name(self.jobs)}).mappings().first()
+        ), {"target": pg_name(self.jobs)}).mappings().first()
         return {k: float(v) for k, v in row.items() if v is not None} if row else {}
 
     def bench_vacuum(self, conn: Connection) -> None:
-        conn.execute(text(f"VACUUM {_pg_name(self.jobs)}"))
+        conn.execute(text(f"VACUUM {pg_name(self.jobs)}"))
 
     def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
         preparer = postgresql.dialect().identifier_preparer
@@ -302,7 +264,7 @@ class PostgreSQLDriver(Driver):
             if not name.replace("_", "").isalnum() or not value.replace(".", "").replace("_", "").isalnum():
                 raise ConfigError(f"--storage: {name}={value} is not a storage parameter (e.g. fillfactor=70)")
             settings.append(f"{preparer.quote(name)} = {value}")
-        conn.execute(text(f"ALTER TABLE {_pg_name(self.jobs)} SET ({', '.join(settings)})"))
+        conn.execute(text(f"ALTER TABLE {pg_name(self.jobs)} SET ({', '.join(settings)})"))
 
     def harden(self, engine: Engine, worker_name: str) -> None:
         pg_keepalive.harden(engine, worker_name)  # keepalives, timeouts, application_name
@@ -331,7 +293,7 @@ class PostgreSQLDriver(Driver):
     def has_notify_trigger(self, conn: Connection) -> bool:
         found = conn.execute(
             text("SELECT 1 FROM pg_trigger WHERE tgname = :name AND tgrelid = to_regclass(:target)"),
-            {"name": notify_trigger_name(self.jobs), "target": _pg_name(self.jobs)},
+            {"name": notify_trigger_name(self.jobs), "target": pg_name(self.jobs)},
         ).first()
         return found is not None
 
