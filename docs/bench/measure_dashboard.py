@@ -76,6 +76,7 @@ def main() -> int:
             ("jobs, state=finished kind=kind_3", "/jobs?state=finished&kind=kind_3"),
             ("jobs, page at the 500,000th row", f"/jobs?before={middle}"),
             ("jobs, created within 1h", "/jobs?since=1h"),
+            ("jobs, unique_key=order-7", "/jobs?unique_key=order-7"),
             (f"one job /jobs/{middle}", f"/jobs/{middle}"),
             ("dead letters", "/dead"),
         ]
