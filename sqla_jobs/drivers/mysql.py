@@ -65,9 +65,8 @@ from .base import DEAD_COLUMNS, Claimed, DatabaseNow, Driver, Fence, IndexDefini
 __all__ = ["MySQLDriver"]
 
 _DATETIME = mysql.DATETIME(fsp=6)
-# Error codes of a lost connection or server (PyMySQL's OperationalError args[0]):
-# 2006 gone away, 2013 lost during query, 2003 can't connect, 1927 connection killed (MariaDB),
-# 4031 disconnected for inactivity (MySQL), 1053 server shutdown, 1317 query interrupted by KILL.
+# A lost connection or server (PyMySQL's args[0]): 2006 gone away, 2013 lost during query, 2003 can't
+# connect, 2055 lost at handshake, 1927 killed (MariaDB), 4031 idle cut (MySQL), 1053 server shutdown.
 _GONE = {2006, 2013, 2003, 2055, 1927, 4031, 1053}
 
 
