@@ -55,8 +55,10 @@ def test_connection_lost_between_claim_and_finish(pg: Database, workers: Workers
         assert proxy.cut() >= 1
         proxy.resume()
     wait_for(lambda: all_settled(pg.engine, [job_id]), 20, "the worker to reconnect and record the finish")
-    log = worker.log()  # the finish itself failed, was kept in memory and written after reconnecting
-    assert "database error" in log and "database is back" in log
+    # The finish itself failed, was kept in memory and written after reconnecting. The worker logs
+    # "database is back" after that write returns, so the row can be seen before the line: wait for it.
+    wait_for(lambda: "database is back" in worker.log(), 10, "the worker to log that the database is back")
+    assert "database error" in worker.log()
     row = job(pg.engine, job_id)
     assert (row.state, row.attempts) == ("finished", 1), "finished by the same worker, no retry"
 
