@@ -34,10 +34,10 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone, tzinfo
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from sqlalchemy import Engine
@@ -47,7 +47,20 @@ from ._unique import STATE_BITS
 from .errors import ConfigError
 
 if TYPE_CHECKING:
-    from ._app import JobQueue
+    from sqlalchemy.orm import Session
+
+
+class _App(Protocol):
+    """What the scheduler uses of the app (a ``JobQueue``): typed here without importing ``_app``,
+    which imports the registry, which imports this module."""
+
+    schedules: dict[str, Schedule]
+    handlers: Mapping[str, Any]
+    check_kinds: bool
+
+    def driver(self, bind: Any) -> Any: ...
+    def enqueue_unique(self, session: Session, kind: str, payload: Any = None, **fields: Any) -> Any: ...
+    def unknown_kind_message(self, kind: str) -> str: ...
 
 __all__ = ["MISSED_POLICIES", "Schedule", "Scheduler", "enqueue_due", "make_schedule"]
 
@@ -171,7 +184,7 @@ def make_schedule(
 
 
 def enqueue_due(
-    queue: JobQueue[Any, Any], engine: Engine, now: datetime | None = None, seen: dict[str, datetime] | None = None
+    queue: _App, engine: Engine, now: datetime | None = None, seen: dict[str, datetime] | None = None
 ) -> list[Any]:
     """Enqueue each schedule's due slot unless it is already there; returns the jobs inserted.
 
@@ -203,7 +216,7 @@ def enqueue_due(
 class Scheduler:
     """The thread a worker runs for its app's schedules: enqueue due slots, sleep until the next one."""
 
-    def __init__(self, queue: JobQueue[Any, Any], engine: Engine, clock: Callable[[], datetime] | None = None,
+    def __init__(self, queue: _App, engine: Engine, clock: Callable[[], datetime] | None = None,
                  prune_after: float | None = None) -> None:
         self.queue = queue
         self.engine = engine
