@@ -138,11 +138,27 @@ def test_workers_drain_through_pgbouncer_transaction_mode(bouncer: tuple[str, st
 def test_without_the_setting_pgbouncer_breaks_prepared_statements(bouncer: tuple[str, str]) -> None:
     """The failure the setting prevents is real on this set-up (so the test above proves the fix)."""
     through, direct = bouncer
-    engine = enqueue_noops(direct, 600)
-    workers = start_workers(through, 3)
+    engine = enqueue_noops(direct, 200)
+    # Make the mismatch certain rather than likely: open every server connection of the pool first, so a
+    # client's consecutive transactions go round the four of them (server_round_robin) and a statement
+    # prepared in one transaction is missing from the server the next one lands on.
+    assert warm_server_connections(through, 4) == 4
+    workers = start_workers(through, 1)
     logs = [w.communicate(timeout=240)[0] for w in workers]
     assert any("prepared statement" in log for log in logs), "\n".join(logs)[-3000:]
     engine.dispose()
+
+
+def warm_server_connections(url: str, servers: int) -> int:
+    """Hold ``servers`` transactions open at once through PgBouncer; return how many server backends served them."""
+    engine = create_engine(url, pool_size=servers, max_overflow=0)
+    connections = [engine.connect() for _ in range(servers)]
+    try:
+        return len({conn.execute(text("SELECT pg_backend_pid()")).scalar_one() for conn in connections})
+    finally:
+        for conn in connections:
+            conn.close()
+        engine.dispose()
 
 
 def test_prepare_threshold_in_the_url_is_checked(tmp_path: Path) -> None:
