@@ -23,7 +23,8 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from . import _periodic
-from ._models import STATES, JobMixin, check_row
+from ._fields import check_row
+from ._models import STATES, JobMixin
 from ._stats import QueueStats, collect
 from ._typed import as_payload
 from ._unique import PERIOD_UNIQUE_STATES, Enqueued, check_key, period_key

@@ -50,28 +50,28 @@ them with ``JobMixin.table_args(...)`` so sqla-jobs' own indexes stay::
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from datetime import datetime, timezone
+from collections.abc import Callable, Sized
+from datetime import datetime
 from typing import Any, ClassVar
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Index, Integer, String, Text, event, text
+from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.dialects.mysql import DATETIME as MYSQL_DATETIME
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
+from sqlalchemy.orm.attributes import instance_dict
 
 from . import _payload
+from ._fields import MAX_KIND_LENGTH, MAX_QUEUE_LENGTH, int_field, text_field, unique_fields, utc
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, PayloadType
 from ._typed import as_payload
-from ._unique import DEFAULT_UNIQUE_STATES, HELD_KEY_SQL, MAX_UNIQUE_KEY_LENGTH, StateSet, check_key, check_states
+from ._unique import HELD_KEY_SQL, MAX_UNIQUE_KEY_LENGTH, StateSet, check_key, check_states
 from .drivers import DatabaseNow, GeneratedColumn, JSONText, attach_table_events
 from .errors import InvalidJob
 
 __all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin"]
 
-MAX_KIND_LENGTH = 255
-MAX_QUEUE_LENGTH = 64
 STATES = ("pending", "running", "finished", "cancelled")
-_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # the range of the INTEGER columns on every backend
 
 # BIGSERIAL on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the rowid alias.
 _ID = BigInteger().with_variant(Integer(), "sqlite")
@@ -109,87 +109,28 @@ def timestamp_type() -> Any:
     return _tz()
 
 
-def _utc(name: str, value: datetime | None) -> datetime | None:
-    """Naive datetimes are taken as UTC; aware ones are converted to UTC."""
-    if value is None:
-        return None
-    if not isinstance(value, datetime):
-        raise InvalidJob(f"Job.{name} must be a datetime, not {type(value).__name__}")
-    if value.tzinfo is None:
-        return value.replace(tzinfo=timezone.utc)
-    return value.astimezone(timezone.utc)
-
-
 #: The enqueue-time checks of each model: every ``JobQueue(model, ...)`` adds its public
 #: ``check_job`` here, and the flush of a new row calls those of its class and its bases.
 #: Kept here rather than as an attribute on the user's model class.
 _ENQUEUE_CHECKS: dict[type[Any], list[Callable[[Any], None]]] = {}
 
 
+#: Each model's checks gathered along its MRO, once: the flush of every new row reads them.
+_CHECKS_BY_MODEL: dict[type[Any], tuple[Callable[[Any], None], ...]] = {}
+
+
 def add_enqueue_check(model: type[Any], check: Callable[[Any], None]) -> None:
     """Have ``check(job)`` called for every new ``model`` row (and rows of its subclasses) before its INSERT."""
     _ENQUEUE_CHECKS.setdefault(model, []).append(check)
+    _CHECKS_BY_MODEL.clear()  # a subclass's gathered list may now miss this check
 
 
-def _enqueue_checks(model: type[Any]) -> list[Callable[[Any], None]]:
-    return [check for cls in model.__mro__ for check in _ENQUEUE_CHECKS.get(cls, ())]
-
-
-def check_row(model: type[JobMixin], row: Mapping[str, Any]) -> dict[str, Any]:
-    """Validate one ``enqueue_many`` item like ``Job(**row)`` would; the payload comes back as JSON text."""
-    unknown = set(row) - _ROW_FIELDS
-    if unknown:
-        raise InvalidJob(f"enqueue_many: unknown field(s) {', '.join(sorted(unknown))}; allowed: "
-                         f"{', '.join(sorted(_ROW_FIELDS))}")
-    if "kind" not in row:
-        raise InvalidJob("Job.kind is required: the name of the handler that runs the job")
-    return {
-        "kind": _text_field("kind", row["kind"], MAX_KIND_LENGTH),
-        "queue": _text_field("queue", row.get("queue", "default"), MAX_QUEUE_LENGTH),
-        "payload": _payload.encode(as_payload(row.get("payload", {})), model.max_payload_bytes),
-        "priority": _int_field("priority", row.get("priority", 0)),
-        "max_attempts": _int_field("max_attempts", row.get("max_attempts", 5), 1),
-        "run_at": _utc("run_at", row.get("run_at")),
-        **_unique_fields(row.get("unique_key"), row.get("unique_states")),
-    }
-
-
-_ROW_FIELDS = {"kind", "queue", "payload", "priority", "max_attempts", "run_at", "unique_key", "unique_states"}
-
-
-def _unique_fields(key: Any, states: Any) -> dict[str, Any]:
-    """``unique_key`` and ``unique_states`` checked together: states without a key would do nothing."""
-    if key is None:
-        if states is not None:
-            raise InvalidJob("Job.unique_states was given without a unique_key: set unique_key too, or drop it")
-        return {"unique_key": None, "unique_states": None}
-    return {"unique_key": check_key(key),
-            "unique_states": check_states(DEFAULT_UNIQUE_STATES if states is None else states)}
-
-
-def _text_field(name: str, value: Any, max_length: int) -> str:
-    if not isinstance(value, str) or not value.strip():
-        raise InvalidJob(f"Job.{name} must be a non-empty string, got {value!r}")
-    if "\x00" in value:  # PostgreSQL text cannot hold NUL: it would fail at flush with a driver error
-        raise InvalidJob(f"Job.{name} contains \\u0000, which PostgreSQL text columns reject, got {value!r}")
-    if not value.isascii():
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:  # a lone surrogate: the driver could not send it
-            raise InvalidJob(f"Job.{name} is not valid Unicode (it has a lone surrogate), got {value!r}") from None
-    if len(value) > max_length:
-        raise InvalidJob(f"Job.{name} is {len(value)} characters, over the limit of {max_length}")
-    return value
-
-
-def _int_field(name: str, value: Any, minimum: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidJob(f"Job.{name} must be an int, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise InvalidJob(f"Job.{name} must be at least {minimum}, got {value}")
-    if not _INT_MIN <= value <= _INT_MAX:  # an INTEGER column: PostgreSQL would fail the flush with a DataError
-        raise InvalidJob(f"Job.{name} must fit in 32 bits ({_INT_MIN} to {_INT_MAX}), got {value}")
-    return value
+def _enqueue_checks(model: type[Any]) -> tuple[Callable[[Any], None], ...]:
+    checks = _CHECKS_BY_MODEL.get(model)
+    if checks is None:
+        checks = _CHECKS_BY_MODEL[model] = tuple(
+            check for cls in model.__mro__ for check in _ENQUEUE_CHECKS.get(cls, ()))
+    return checks
 
 
 class _Common:
@@ -211,13 +152,37 @@ class _Common:
     #: A dead job keeps it for the record only: it holds nothing, and a requeue leaves it behind.
     unique_key: Mapped[str | None] = mapped_column(String(MAX_UNIQUE_KEY_LENGTH), server_default=_NULL)
 
+    def __init__(self, **fields: Any) -> None:
+        """``Job(kind=..., payload=...)``: what SQLAlchemy's declarative constructor does, for less.
+
+        A field that has one of sqla-jobs' validators (and no other listener) is
+        checked by that validator and stored directly: the attribute event that
+        would run the same validator costs more than the check itself, and a new
+        object has no history to keep (its INSERT reads the stored values). Any
+        other field, and every later assignment, goes through SQLAlchemy as usual.
+        """
+        cls = type(self)
+        direct = _DIRECT_FIELDS.get(cls)
+        if direct is None:
+            direct = _direct_fields(cls)
+        values = instance_dict(self)
+        for key, value in fields.items():
+            field = direct.get(key)
+            # Its set listeners are counted each time: one added since (by the app) must run.
+            if field is not None and len(field[1]) == 1:
+                values[key] = field[0](self, key, value)
+            elif hasattr(cls, key):
+                setattr(self, key, value)
+            else:
+                raise TypeError(f"{key!r} is an invalid keyword argument for {cls.__name__}")
+
     @validates("kind")
     def _check_kind(self, key: str, value: Any) -> str:
-        return _text_field(key, value, MAX_KIND_LENGTH)
+        return text_field(key, value, MAX_KIND_LENGTH)
 
     @validates("queue")
     def _check_queue(self, key: str, value: Any) -> str:
-        return _text_field(key, value, MAX_QUEUE_LENGTH)
+        return text_field(key, value, MAX_QUEUE_LENGTH)
 
     @validates("payload")
     def _check_payload(self, key: str, value: Any) -> dict[str, Any]:
@@ -232,14 +197,31 @@ class _Common:
 
     @validates("max_attempts")
     def _check_max_attempts(self, key: str, value: Any) -> int:
-        return _int_field(key, value, 1)
+        return int_field(key, value, 1)
 
     @validates("priority", "attempts")
     def _check_int(self, key: str, value: Any) -> int:
-        return _int_field(key, value, 0 if key == "attempts" else None)
+        return int_field(key, value, 0 if key == "attempts" else None)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} id={self.id!r} kind={self.kind!r}>"  # type: ignore[attr-defined]
+
+
+#: Per model: the fields ``__init__`` may check and store without an attribute event:
+#: their validator, and their set listeners (the validator's alone, while nobody adds one).
+_DIRECT_FIELDS: dict[type[Any], dict[str, tuple[Callable[[Any, str, Any], Any], Sized]]] = {}
+
+
+def _direct_fields(model: type[Any]) -> dict[str, tuple[Callable[[Any, str, Any], Any], Sized]]:
+    """The fields validated by one of sqla-jobs' validators (not a subclass's), with their set listeners."""
+    own = {method for cls in (_Common, JobMixin) for method in vars(cls).values()
+           if hasattr(method, "__sa_validators__")}
+    direct = {}
+    for key, (validator, _options) in sa_inspect(model).validators.items():
+        if validator in own:
+            direct[key] = (validator, getattr(model, key).impl.dispatch.set)
+    _DIRECT_FIELDS[model] = direct
+    return direct
 
 
 class JobMixin(_Common):
@@ -280,7 +262,7 @@ class JobMixin(_Common):
 
     @validates("run_at")
     def _check_run_at(self, key: str, value: Any) -> datetime | None:
-        return _utc(key, value)
+        return utc(key, value)
 
     @validates("unique_states")
     def _check_unique_states(self, key: str, value: Any) -> tuple[str, ...] | None:
@@ -387,17 +369,22 @@ class DeadJobMixin(_Common):
 @event.listens_for(DeadJobMixin, "before_insert", propagate=True)
 def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> None:
     """Fields never set (so never validated) are checked here, before the INSERT."""
-    if target.kind is None:
+    # Read from the instance's dict: a field never set is simply absent, where the
+    # attribute would go through SQLAlchemy's loader machinery (microseconds per row).
+    fields = instance_dict(target)
+    if fields.get("kind") is None:
         raise InvalidJob("Job.kind is required: the name of the handler that runs the job")
-    if target.payload is None:
-        target.payload = {}
+    payload = fields.get("payload")
+    if payload is None:
+        target.payload = payload = {}
     if isinstance(target, JobMixin):
-        fields = _unique_fields(target.unique_key, target.unique_states)
-        if target.unique_states is None and fields["unique_states"] is not None:
-            target.unique_states = fields["unique_states"]
+        key, states = fields.get("unique_key"), fields.get("unique_states")
+        if key is not None or states is not None:
+            checked = unique_fields(key, states)
+            if states is None and checked["unique_states"] is not None:
+                target.unique_states = checked["unique_states"]
     # Checked again, as the dict may have been changed in place since it was set;
     # the text is kept for the INSERT, so this is the job's only encoding.
-    payload = target.payload
     _payload.remember(target, payload, _payload.encode(payload, type(target).max_payload_bytes))
     for check in _enqueue_checks(type(target)):
         check(target)

@@ -41,7 +41,7 @@ class Uniqueness:
         return literal(text, Text())
 
     def unique_values(self, row: dict[str, Any]) -> dict[str, Any]:
-        """A checked row (``_models.check_row``) as INSERT values; no ``run_at``: the database clock."""
+        """A checked row (``_fields.check_row``) as INSERT values; no ``run_at``: the database clock."""
         values = {c: row[c] for c in _COLUMNS}
         values["payload"] = self.payload_value(row["payload"])
         if row.get("run_at") is not None:

@@ -1,0 +1,91 @@
+"""The checks of a job's fields, shared by ``Job(...)``'s validators, its flush and ``enqueue_many`` (internal).
+
+Each returns the value to store (a naive ``run_at`` becomes UTC) or raises
+``InvalidJob`` naming the field, so a bad job fails before its transaction commits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime, timezone
+from typing import Any
+
+from . import _payload
+from ._typed import as_payload
+from ._unique import DEFAULT_UNIQUE_STATES, check_key, check_states
+from .errors import InvalidJob
+
+__all__ = ["MAX_KIND_LENGTH", "MAX_QUEUE_LENGTH", "check_row", "int_field", "text_field", "unique_fields", "utc"]
+
+MAX_KIND_LENGTH = 255
+MAX_QUEUE_LENGTH = 64
+_INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # the range of the INTEGER columns on every backend
+
+
+def utc(name: str, value: datetime | None) -> datetime | None:
+    """Naive datetimes are taken as UTC; aware ones are converted to UTC."""
+    if value is None:
+        return None
+    if not isinstance(value, datetime):
+        raise InvalidJob(f"Job.{name} must be a datetime, not {type(value).__name__}")
+    if value.tzinfo is None:
+        return value.replace(tzinfo=timezone.utc)
+    return value.astimezone(timezone.utc)
+
+
+
+def check_row(model: type[Any], row: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one ``enqueue_many`` item like ``Job(**row)`` would; the payload comes back as JSON text."""
+    unknown = set(row) - _ROW_FIELDS
+    if unknown:
+        raise InvalidJob(f"enqueue_many: unknown field(s) {', '.join(sorted(unknown))}; allowed: "
+                         f"{', '.join(sorted(_ROW_FIELDS))}")
+    if "kind" not in row:
+        raise InvalidJob("Job.kind is required: the name of the handler that runs the job")
+    return {
+        "kind": text_field("kind", row["kind"], MAX_KIND_LENGTH),
+        "queue": text_field("queue", row.get("queue", "default"), MAX_QUEUE_LENGTH),
+        "payload": _payload.encode(as_payload(row.get("payload", {})), model.max_payload_bytes),
+        "priority": int_field("priority", row.get("priority", 0)),
+        "max_attempts": int_field("max_attempts", row.get("max_attempts", 5), 1),
+        "run_at": utc("run_at", row.get("run_at")),
+        **unique_fields(row.get("unique_key"), row.get("unique_states")),
+    }
+
+
+_ROW_FIELDS = {"kind", "queue", "payload", "priority", "max_attempts", "run_at", "unique_key", "unique_states"}
+
+
+def unique_fields(key: Any, states: Any) -> dict[str, Any]:
+    """``unique_key`` and ``unique_states`` checked together: states without a key would do nothing."""
+    if key is None:
+        if states is not None:
+            raise InvalidJob("Job.unique_states was given without a unique_key: set unique_key too, or drop it")
+        return {"unique_key": None, "unique_states": None}
+    return {"unique_key": check_key(key),
+            "unique_states": check_states(DEFAULT_UNIQUE_STATES if states is None else states)}
+
+
+def text_field(name: str, value: Any, max_length: int) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidJob(f"Job.{name} must be a non-empty string, got {value!r}")
+    if "\x00" in value:  # PostgreSQL text cannot hold NUL: it would fail at flush with a driver error
+        raise InvalidJob(f"Job.{name} contains \\u0000, which PostgreSQL text columns reject, got {value!r}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: the driver could not send it
+            raise InvalidJob(f"Job.{name} is not valid Unicode (it has a lone surrogate), got {value!r}") from None
+    if len(value) > max_length:
+        raise InvalidJob(f"Job.{name} is {len(value)} characters, over the limit of {max_length}")
+    return value
+
+
+def int_field(name: str, value: Any, minimum: int | None = None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidJob(f"Job.{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise InvalidJob(f"Job.{name} must be at least {minimum}, got {value}")
+    if not _INT_MIN <= value <= _INT_MAX:  # an INTEGER column: PostgreSQL would fail the flush with a DataError
+        raise InvalidJob(f"Job.{name} must fit in 32 bits ({_INT_MIN} to {_INT_MAX}), got {value}")
+    return value
