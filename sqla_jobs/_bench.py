@@ -10,7 +10,12 @@ measures, each ``--runs`` times, reporting the median:
 
 * enqueue, one job per transaction (``session.add`` + commit), next to the same
   insert as raw SQL on the same connection, for the overhead ratio;
-* enqueue, ``session.add_all`` of ``--jobs`` jobs in one transaction;
+* enqueue, ``session.add_all`` of ``--jobs`` jobs in one transaction, and the same
+  for a plain mapped class on the same table (no validators, events or constructor of
+  sqla-jobs: what SQLAlchemy's unit of work costs alone, the floor);
+* enqueue inside a request: what one job adds to a transaction that already writes a
+  business row, through the Session and as a raw ``INSERT`` on the Session's connection
+  (microseconds per transaction; the three kinds of transaction take turns in blocks);
 * enqueue, ``queue.enqueue_many`` (COPY on PostgreSQL) of ``--jobs`` jobs;
 * drain: ``--processes`` worker processes of ``--concurrency`` threads each,
   idle and listening, then ``--jobs`` no-op jobs committed at once; the rate is
@@ -36,9 +41,9 @@ import threading
 import time
 from typing import Any
 
-from sqlalchemy import Engine, MetaData, create_engine, func, select, text
+from sqlalchemy import Engine, Integer, MetaData, String, create_engine, func, select, text
 from sqlalchemy.engine import URL
-from sqlalchemy.orm import DeclarativeBase, Session
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, registry
 
 from ._app import JobQueue
 from ._backoff import Backoff
@@ -62,6 +67,24 @@ class BenchJob(JobMixin, _Base):
 class BenchDeadJob(DeadJobMixin, _Base):
     __tablename__ = "dead_jobs"
 
+
+class BenchOrder(_Base):
+    """The business row of the enqueue-inside-a-request figure."""
+
+    __tablename__ = "bench_orders"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    note: Mapped[str] = mapped_column(String(64))
+
+
+class PlainJob:
+    """The floor of ``add_all``: the jobs table mapped bare, as an app without sqla-jobs' model would."""
+
+    def __init__(self, **fields: Any) -> None:
+        for key, value in fields.items():
+            setattr(self, key, value)
+
+
+registry().map_imperatively(PlainJob, BenchJob.__table__)
 
 queue: JobQueue[BenchJob, BenchDeadJob] = JobQueue(BenchJob, BenchDeadJob, backoff=Backoff(base=0))
 _picked_up: dict[int, float] = {}
@@ -90,6 +113,7 @@ def scratch(url: URL) -> contextlib.AbstractContextManager[URL]:
 def _reset(engine: Engine) -> None:
     _Base.metadata.drop_all(engine)
     queue.create_tables(engine)
+    BenchOrder.__table__.create(engine)
 
 
 def _count_finished(engine: Engine) -> int:
@@ -124,8 +148,7 @@ def enqueue_single(engine: Engine, n: int) -> tuple[float, float]:
         with Session(engine) as session, session.begin():
             session.add(BenchJob(kind="noop", payload={"i": i}))
     orm = n / (time.perf_counter() - start)
-    t = BenchJob.__table__
-    sql = text(f"INSERT INTO {t.name} (kind, payload) VALUES ('noop', :p)")
+    sql = _raw_insert()
     start = time.perf_counter()
     with engine.connect() as conn:
         for i in range(n):
@@ -135,11 +158,45 @@ def enqueue_single(engine: Engine, n: int) -> tuple[float, float]:
     return orm, raw
 
 
-def enqueue_add_all(engine: Engine, n: int) -> float:
+def _raw_insert() -> Any:
+    return text(f"INSERT INTO {BenchJob.__table__.name} (kind, payload) VALUES ('noop', :p)")
+
+
+def enqueue_add_all(engine: Engine, n: int, model: Any = BenchJob) -> float:
     start = time.perf_counter()
     with Session(engine) as session, session.begin():
-        session.add_all([BenchJob(kind="noop", payload={"i": i}) for i in range(n)])
+        session.add_all([model(kind="noop", payload={"i": i}) for i in range(n)])
     return n / (time.perf_counter() - start)
+
+
+def enqueue_beside_business_row(engine: Engine, n: int) -> dict[str, float]:
+    """Microseconds one job adds to a transaction that writes a business row, by how it is written.
+
+    ``job``: ``session.add(Job(...))``; ``plain``: the same row through the bare
+    mapping (the floor); ``raw``: an ``INSERT`` on the Session's connection. The
+    kinds of transaction (and the business row alone) take turns in blocks of 50,
+    each kind first in turn, so that a slow patch of a shared machine falls on all alike.
+    """
+    sql = _raw_insert()
+    kinds = ("alone", "job", "plain", "raw")
+    spent = dict.fromkeys(kinds, 0.0)
+    block = 50
+    rounds = max(1, n // block)
+    for r in range(rounds):
+        for kind in kinds[r % 4:] + kinds[:r % 4]:
+            start = time.perf_counter()
+            for i in range(r * block, (r + 1) * block):
+                with Session(engine) as session, session.begin():
+                    session.add(BenchOrder(note="order"))
+                    if kind == "job":
+                        session.add(BenchJob(kind="noop", payload={"i": i}))
+                    elif kind == "plain":
+                        session.add(PlainJob(kind="noop", payload={"i": i}))
+                    elif kind == "raw":
+                        session.connection().execute(sql, {"p": json.dumps({"i": i})})
+            spent[kind] += time.perf_counter() - start
+    per = 1e6 / (rounds * block)
+    return {kind: (spent[kind] - spent["alone"]) * per for kind in kinds[1:]}
 
 
 def enqueue_fast(engine: Engine, n: int) -> float:
@@ -249,6 +306,13 @@ def run_bench(args: argparse.Namespace) -> int:
             _reset(engine)
             record("enqueue add_all (jobs/s)", enqueue_add_all(engine, args.jobs))
             _reset(engine)
+            record("add_all, plain mapped class: the floor (jobs/s)", enqueue_add_all(engine, args.jobs, PlainJob))
+            _reset(engine)
+            added = enqueue_beside_business_row(engine, min(args.jobs, 1500))
+            record("job added to a business transaction (us)", added["job"])
+            record("plain mapped row added to a business transaction (us)", added["plain"])
+            record("raw INSERT added to a business transaction (us)", added["raw"])
+            _reset(engine)
             record("enqueue_many (jobs/s)", enqueue_fast(engine, args.jobs))
             _reset(engine)
             if args.finished_rows:
@@ -273,6 +337,14 @@ def run_bench(args: argparse.Namespace) -> int:
     summary = {name: statistics.median(values) for name, values in results.items()}
     summary["one-per-transaction vs raw SQL"] = (
         summary["enqueue one per transaction (jobs/s)"] / summary["raw SQL insert one per transaction (jobs/s)"]
+    )
+    summary["add_all vs the floor"] = (
+        summary["enqueue add_all (jobs/s)"] / summary["add_all, plain mapped class: the floor (jobs/s)"]
+    )
+    # A ratio of two differences of noisy times: only the medians' ratio is shown.
+    summary["job vs raw INSERT in a business transaction"] = (
+        summary["job added to a business transaction (us)"]
+        / max(summary["raw INSERT added to a business transaction (us)"], 1e-9)
     )
     if args.json:
         print(json.dumps({"settings": vars_of(args), "medians": summary, "runs": results}, indent=2))
