@@ -20,8 +20,10 @@ from sqlalchemy.exc import DBAPIError
 
 from ._app import JobEvent, JobQueue
 from ._executor import Outcome
+from ._limits import ensure_limits_table, limits_table
 from ._lost import hand_back
 from ._reconnect import retry_pause
+from .drivers._limits import claim_limited
 from .drivers.base import Claimed, Driver, Fence
 
 __all__ = ["MAX_UNCOUNTED_OUTAGES", "Store"]
@@ -57,11 +59,18 @@ class Store:
         self.queues = list(queues) if queues else None
         self._conn: Connection | None = None
         self.processed = 0  # outcomes written
+        #: Kinds with limits across workers (sqla_jobs._limits): claimed by claim_limited, skipped by the
+        #: ordinary claim. None of them: the claim is the plain one, not one statement more.
+        self.limits = queue.kind_limits()
+        self.limited_kinds = [lim.kind for lim in self.limits]
+        self.limits_table = limits_table(queue) if self.limits else None
 
     def prepare(self, listen: bool, poll_interval: float) -> None:
         """Before the first claim: the schema is the app's, the driver is ready, wake-ups can work."""
         self.queue.check_schema(self.engine)
         self.sql.prepare(self.engine)
+        if self.limits_table is not None:
+            ensure_limits_table(self.engine, self.limits_table)
         if listen:
             with self.engine.connect() as conn:
                 if not self.sql.has_notify_trigger(conn):
@@ -109,11 +118,33 @@ class Store:
         ``queues``: claim from these (a per-queue claim) instead of the worker's queues.
         Returns the claimed jobs and whether a job that must run alone is waiting.
         """
-        with self._hot() as conn:
-            kept, jobs, waiting = self.sql.finish_and_claim(
-                conn, [o.job.fence for o in ok], limit, self.worker_name, token, self.lease,
-                queues if queues is not None else self.queues, alone=alone,
-            )
+        queues = queues if queues is not None else self.queues
+        fences = [o.job.fence for o in ok]
+        limited: list[Claimed] = []
+        kept: set[int] = set()
+        waiting = False
+        if self.limits_table is not None and limit > 0:
+            # Kinds with limits first, in a transaction of their own (drivers/_limits.py), the finishes with
+            # them so that the jobs just done no longer count as running; then the ordinary claim, skipping
+            # those kinds, for the threads still free.
+            with self.sql.write(self.engine) as conn:
+                kept = self.sql.finish(conn, fences)
+                limited, waiting, lone = claim_limited(self.sql, conn, self.limits_table, self.limits, limit,
+                                                       self.worker_name, token, self.lease, queues, alone)
+            fences = []
+            limit = 0 if lone else limit - len(limited)
+            alone = alone and not limited
+        if fences or limit > 0 or self.limits_table is None:  # without limits: exactly the call it always was
+            with self._hot() as conn:
+                done, jobs, plain_waiting = self.sql.finish_and_claim(
+                    conn, fences, limit, self.worker_name, token, self.lease, queues, alone=alone,
+                    skip_kinds=self.limited_kinds,
+                )
+            kept |= done
+            waiting = waiting or plain_waiting
+            jobs = limited + jobs
+        else:
+            jobs = limited
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
