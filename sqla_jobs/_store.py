@@ -120,31 +120,26 @@ class Store:
         """
         queues = queues if queues is not None else self.queues
         fences = [o.job.fence for o in ok]
-        limited: list[Claimed] = []
-        kept: set[int] = set()
-        waiting = False
-        if self.limits_table is not None and limit > 0:
-            # Kinds with limits first, in a transaction of their own (drivers/_limits.py), the finishes with
-            # them so that the jobs just done no longer count as running; then the ordinary claim, skipping
-            # those kinds, for the threads still free.
-            with self.sql.write(self.engine) as conn:
-                kept = self.sql.finish(conn, fences)
-                limited, waiting, lone = claim_limited(self.sql, conn, self.limits_table, self.limits, limit,
-                                                       self.worker_name, token, self.lease, queues, alone)
-            fences = []
-            limit = 0 if lone else limit - len(limited)
-            alone = alone and not limited
-        if fences or limit > 0 or self.limits_table is None:  # without limits: exactly the call it always was
+        if self.limits_table is None or limit <= 0:  # no limits (or no claim): the one round trip it always was
             with self._hot() as conn:
-                done, jobs, plain_waiting = self.sql.finish_and_claim(
+                kept, jobs, waiting = self.sql.finish_and_claim(
                     conn, fences, limit, self.worker_name, token, self.lease, queues, alone=alone,
                     skip_kinds=self.limited_kinds,
                 )
-            kept |= done
-            waiting = waiting or plain_waiting
-            jobs = limited + jobs
         else:
-            jobs = limited
+            # One transaction, so a claim is never half made: the finishes first (the jobs just done no longer
+            # count as running), then the kinds with limits (drivers/_limits.py, under their rows' locks), then
+            # the ordinary claim, skipping those kinds, for the threads still free.
+            with self.sql.write(self.engine) as conn:
+                kept = self.sql.finish(conn, fences)
+                jobs, waiting, lone = claim_limited(self.sql, conn, self.limits_table, self.limits, limit,
+                                                    self.worker_name, token, self.lease, queues, alone)
+                if not lone and len(jobs) < limit:
+                    _, plain, plain_waiting = self.sql.finish_and_claim(
+                        conn, [], limit - len(jobs), self.worker_name, token, self.lease, queues,
+                        alone=alone and not jobs, skip_kinds=self.limited_kinds,
+                    )
+                    jobs, waiting = jobs + plain, waiting or plain_waiting
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
