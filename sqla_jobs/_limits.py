@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, Float, MetaData, String, Table, inspect
+from sqlalchemy import Column, Double, MetaData, String, Table, inspect
 from sqlalchemy.engine import Engine
 
 from ._companion import companion_table
@@ -99,7 +99,7 @@ def limits_table(queue: JobQueue[Any, Any], metadata: MetaData | None = None) ->
     """
     return companion_table(queue, "limits", metadata, lambda name: [
         Column("name", String(MAX_KIND_LENGTH + 8), primary_key=True),
-        Column("tokens", Float, nullable=True),
+        Column("tokens", Double, nullable=True),
         Column("updated_at", timestamp_type(), nullable=True),
     ])
 

@@ -14,7 +14,7 @@ import os
 import time
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, Float, Integer, MetaData, String, Table, insert
+from sqlalchemy import BigInteger, Column, Double, Integer, MetaData, String, Table, insert
 
 from sqla_jobs import JobQueue, current_job
 from tests import app
@@ -27,8 +27,8 @@ runs = Table(
     Column("kind", String(64), nullable=False),
     Column("key", String(64), nullable=False),
     Column("pid", Integer, nullable=False),
-    Column("started", Float, nullable=False),
-    Column("ended", Float, nullable=False),
+    Column("started", Double, nullable=False),
+    Column("ended", Double, nullable=False),
 )
 
 #: The limits the tests check.

@@ -111,8 +111,8 @@ class Sampler(threading.Thread):
 def test_four_processes_never_run_more_than_the_limit(db: Database, tmp_path: Path) -> None:
     """4 worker processes x 16 threads, 2,000 jobs of a kind limited to 3 (plus a per-key kind and free jobs)."""
     limits_app.metadata.create_all(db.engine)
-    _enqueue(db, [{"kind": "capped", "payload": {"sleep": 0.002}} for _ in range(2000)]
-             + [{"kind": "per_customer", "payload": {"customer": f"c{i % 5}", "sleep": 0.002}} for i in range(150)]
+    _enqueue(db, [{"kind": "capped", "payload": {"sleep": 0.01}} for _ in range(2000)]
+             + [{"kind": "per_customer", "payload": {"customer": f"c{i % 5}", "sleep": 0.01}} for i in range(150)]
              + [{"kind": "free"} for _ in range(300)])
     sampler = Sampler(db)
     sampler.start()
@@ -140,7 +140,9 @@ def test_four_processes_never_run_more_than_the_limit(db: Database, tmp_path: Pa
           f"per key {per_key} (runs) / {sampler.per_key} (samples)")
     assert exact <= limits_app.CAPPED and sampler.capped <= limits_app.CAPPED
     assert per_key <= limits_app.PER_CUSTOMER and sampler.per_key <= limits_app.PER_CUSTOMER
-    assert exact == limits_app.CAPPED  # the limit was reached, so the test could have seen it broken
+    # The limit was reached (so the test could have seen it broken): in the table, and in the runs too
+    # unless the three runs of a batch never overlapped in their handlers (one thread started late).
+    assert sampler.capped == limits_app.CAPPED and exact >= limits_app.CAPPED - 1
 
 
 @pytest.mark.slow
