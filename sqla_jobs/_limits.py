@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Column, Double, MetaData, String, Table, inspect
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 
 from ._companion import companion_table
 from ._models import MAX_KIND_LENGTH, timestamp_type
@@ -105,8 +106,18 @@ def limits_table(queue: JobQueue[Any, Any], metadata: MetaData | None = None) ->
 
 
 def ensure_limits_table(engine: Engine, table: Table) -> None:
-    """Create the limits table if it is missing (a worker with limits, at start)."""
+    """Create the limits table if it is missing (a worker with limits, at start).
+
+    Workers starting together may all find it missing; PostgreSQL then refuses all but one ``CREATE TABLE``
+    (a duplicate type name, even with ``IF NOT EXISTS``). The table being there afterwards is what counts.
+    """
     with engine.connect() as conn:
-        if not inspect(conn).has_table(table.name, schema=table.schema):
+        if inspect(conn).has_table(table.name, schema=table.schema):
+            return
+        try:
             table.create(conn, checkfirst=True)
             conn.commit()
+        except SQLAlchemyError:
+            conn.rollback()
+            if not inspect(conn).has_table(table.name, schema=table.schema):
+                raise

@@ -35,11 +35,18 @@ def _workers(db: Database, n: int, concurrency: int, logs: Path) -> list[subproc
             workers.append(subprocess.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
                                             text=True))
     ends = time.monotonic() + 60
-    for i, worker in enumerate(workers):
-        while "started" not in (logs / f"worker-{i}.log").read_text():
-            assert worker.poll() is None, f"worker exited before it started: {(logs / f'worker-{i}.log').read_text()}"
-            assert time.monotonic() < ends, "workers did not start within 60 s"
-            time.sleep(0.05)
+    try:
+        for i, worker in enumerate(workers):
+            log = logs / f"worker-{i}.log"
+            while "started" not in log.read_text():
+                assert worker.poll() is None, f"worker exited before it started: {log.read_text()}"
+                assert time.monotonic() < ends, "workers did not start within 60 s"
+                time.sleep(0.05)
+    except BaseException:
+        for worker in workers:  # none left running against a database the fixture drops
+            worker.kill()
+            worker.wait()
+        raise
     return workers
 
 
