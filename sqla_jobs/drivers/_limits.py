@@ -30,6 +30,10 @@ the other in kind order:
    threads allow: the due jobs of the kind in claim order, ``SKIP LOCKED``,
    leaving keys that are full; then write the bucket back.
 
+Before step 1, a read without locks (``_worth_locking``) skips a kind with
+nothing due, at its limit, or with an empty bucket, so that workers polling a
+full kind do not queue for its row.
+
 Jobs left over wait ``pending`` with their attempts untouched.
 """
 
@@ -39,7 +43,7 @@ import math
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from sqlalchemy import Connection, String, Table, cast, func, insert, literal, select, update
+from sqlalchemy import Connection, String, Table, cast, exists, func, insert, literal, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -139,6 +143,8 @@ def claim_limited(
     for limit in sorted(limits, key=lambda lim: lim.kind):  # one order for every claimer: no lock cycles
         if free <= 0:
             break
+        if not _worth_locking(sql, conn, table, limit, queues):
+            continue
         row = _lock_row(sql, conn, table, limit.row)
         budget = free
         tokens = None
@@ -167,6 +173,35 @@ def claim_limited(
             jobs = []
         _save_bucket(sql, conn, table, limit.row, row, tokens, len(jobs))
     return claimed, waiting, False
+
+
+def _worth_locking(sql: Driver, conn: Connection, table: Table, limit: LimitSpec,
+                   queues: Sequence[str] | None) -> bool:
+    """Whether the kind may have a job to claim, read without any lock: is one due, is the kind below its
+    limit, does its bucket hold a token.
+
+    A "no" is safe without the lock (running jobs and spent tokens only grow under it, so what is full now
+    stays full until this transaction ends, and a job enqueued meanwhile waits for the next claim); a "yes" is
+    checked again under it. It keeps claimers that have nothing to take off the kind's row: with the kind at
+    its limit, every worker's poll would otherwise queue for the lock behind the others.
+    """
+    t = sql.jobs
+    due = select(t.c.id).where(t.c.state == "pending", t.c.run_at <= sql.now(), t.c.kind == limit.kind)
+    if queues:
+        due = due.where(t.c.queue.in_(list(queues)))
+    columns: list[Any] = [exists(due)]
+    if limit.running is not None and limit.key is None:
+        running = select(func.count()).where(t.c.state == "running", t.c.kind == limit.kind)
+        columns.append(running.scalar_subquery())
+    row = conn.execute(select(*columns)).one()
+    if not row[0] or (len(row) > 1 and limit.running is not None and row[1] >= limit.running):
+        return False
+    if limit.rate_count:
+        elapsed = sql.seconds_between(sql.now(), table.c.updated_at)
+        bucket = conn.execute(select(table.c.tokens, elapsed).where(table.c.name == limit.row)).first()
+        if bucket is not None and bucket[0] is not None and bucket[1] is not None:
+            return float(bucket[0]) + max(float(bucket[1]), 0.0) * limit.refill >= 1.0 - 1e-9
+    return True
 
 
 def _take(
