@@ -8,6 +8,8 @@ import uuid
 from datetime import datetime, timezone
 from typing import Any
 
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import select, update
 
 from sqla_jobs._limits import KindLimit, ensure_limits_table, limits_table
@@ -193,3 +195,33 @@ def test_the_limits_row_is_made_once(backend: Backend) -> None:
         rows = conn.execute(select(table.c.name, table.c.tokens)).all()
     assert [tuple(r) for r in rows] == [("kind:capped", None)]
     assert json.dumps(rows[0][0])  # plain text
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.integers(1, 3), st.lists(st.sampled_from("abc"), min_size=1, max_size=12),
+       st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=6))
+def test_any_claims_and_finishes_keep_every_key_within_its_limit(
+        backend: Backend, n: int, keys: list[str], steps: list[tuple[int, int]]) -> None:
+    """Claims of any size between finishes of any number: never more than ``n`` running per key, and a claim
+    with free threads takes something whenever some key with room has a job due."""
+    with backend.write() as conn:  # each example starts from an empty queue
+        conn.execute(backend.driver.jobs.delete())
+    payloads(backend, "per_customer", [{"customer": k} for k in keys])
+    cap = KindLimit("per_customer", running=n, key="customer")
+    running: list[Claimed] = []
+    for free, finishing in steps:
+        with backend.db.engine.connect() as conn:
+            t = backend.driver.jobs
+            pending = [r.payload["customer"] for r in conn.execute(
+                select(t.c.payload).where(t.c.state == "pending", t.c.kind == "per_customer"))]
+        room = {k: n - sum(j.payload["customer"] == k for j in running) for k in "abc"}
+        claimable = any(room[k] > 0 for k in pending)
+        got = limited(backend, [cap], free=free)[0]
+        assert len(got) <= free
+        if free and claimable:
+            assert got, (room, pending)
+        running += got
+        for k in "abc":
+            assert sum(j.payload["customer"] == k for j in running) <= n
+        done, running = running[:finishing], running[finishing:]
+        finish(backend, done)
