@@ -203,3 +203,43 @@ def test_kind_limits_lists_the_limited_kinds() -> None:
     assert sorted(kinds) == ["capped", "paced", "per_customer"]
     assert kinds["per_customer"].key == "customer" and kinds["paced"].refill == 20.0
     assert app.queue.kind_limits() == []  # no limits: the worker's claim is the plain one
+
+
+def test_the_limits_table_is_the_apps_when_declared_and_alembic_sees_it(db: Database) -> None:
+    """Undeclared, a worker creates it beside the app's tables; declared in the app's metadata, it is one of
+    them: create_all makes it and alembic autogenerate adds it to a revision (the migration path)."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+    from sqlalchemy import inspect
+    from sqlalchemy.orm import DeclarativeBase
+
+    from sqla_jobs import DeadJobMixin, JobMixin, limits_table
+    from sqla_jobs.testing import run_due
+
+    class Base(DeclarativeBase):
+        pass
+
+    class LimJob(JobMixin, Base):
+        __tablename__ = "lim_jobs"
+
+    class LimDead(DeadJobMixin, Base):
+        __tablename__ = "lim_dead"
+
+    own = JobQueue(LimJob, LimDead)
+    own.handler("capped", limit=1)(lambda payload: None)
+    Base.metadata.create_all(db.engine)
+    with db.engine.connect() as conn:
+        pending = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert not [d for d in pending if d[0] == "add_table"]  # undeclared: not the app's, nothing to migrate
+    with Session(db.engine) as session, session.begin():
+        own.enqueue_many(session, [{"kind": "capped"} for _ in range(3)])
+    assert len(run_due(db.engine, own, concurrency=4).finished) == 3
+    assert inspect(db.engine).has_table("lim_jobs_limits", schema=db.schema)  # the worker made it
+    assert "lim_jobs_limits" not in Base.metadata.tables
+    declared = limits_table(own, Base.metadata)
+    assert Base.metadata.tables["lim_jobs_limits"] is declared and limits_table(own) is declared
+    with db.engine.begin() as conn:
+        declared.drop(conn)
+    with db.engine.connect() as conn:
+        pending = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert [d[1].name for d in pending if d[0] == "add_table"] == ["lim_jobs_limits"]
