@@ -8,6 +8,7 @@ from ._aio import AsyncAdmin
 from ._app import JobEvent, JobQueue
 from ._backoff import Backoff
 from ._context import JobContext, current_job
+from ._limits import limits_table
 from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
 from ._stats import DeadLetters, QueueLength, QueueStats, RunTime
 from ._unique import Enqueued, unique_key
@@ -54,5 +55,6 @@ __all__ = [
     "SqlaJobsError",
     "Worker",
     "current_job",
+    "limits_table",
     "unique_key",
 ]

@@ -23,6 +23,7 @@ from datetime import timedelta, tzinfo
 from typing import Any, TypeVar
 
 from ._backoff import Backoff
+from ._limits import KindLimit, make_limit
 from ._periodic import Schedule, make_schedule
 from ._typed import PayloadSchema, declared_payload_type
 from .errors import ConfigError, InvalidJob
@@ -48,6 +49,8 @@ class Handler:
     is_async: bool
     #: The payload's declared type (``sqla_jobs._typed``); ``fn`` then converts the payload before the call.
     payload: PayloadSchema | None = None
+    #: Its limits across all workers (``limit``, ``limit_key``, ``rate``; see ``sqla_jobs._limits``).
+    limits: KindLimit | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class Registry:
         backoff: Backoff | None = None,
         transactional: bool = False,
         payload_type: Any = None,
+        limit: int | None = None,
+        limit_key: str | None = None,
+        rate: tuple[int, float] | None = None,
     ) -> Callable[[F], F]:
         """Register ``fn(payload)`` as the handler of ``kind``.
 
@@ -101,6 +107,7 @@ class Registry:
             raise ConfigError(f"handler kind must be a non-empty string, got {kind!r}")
         if timeout is not None and timeout <= 0:
             raise ConfigError(f"handler {kind!r}: timeout must be > 0 seconds")
+        limits = make_limit(kind, limit, limit_key, rate)
 
         def register(fn: F) -> F:
             if kind in self.handlers:
@@ -111,7 +118,7 @@ class Registry:
             declared = payload_type if payload_type is not None else declared_payload_type(fn)
             schema = PayloadSchema(kind, declared) if declared is not None else None
             call = _typed_call(fn, schema, is_async) if schema is not None else fn
-            self.handlers[kind] = Handler(kind, call, timeout, backoff, transactional, is_async, schema)
+            self.handlers[kind] = Handler(kind, call, timeout, backoff, transactional, is_async, schema, limits)
             return fn
 
         return register
@@ -160,6 +167,10 @@ class Registry:
             return fn
 
         return register
+
+    def kind_limits(self) -> list[KindLimit]:
+        """The limits the worker's claims apply, by kind (empty: the claim has no limit to apply)."""
+        return sorted((h.limits for h in self.handlers.values() if h.limits is not None), key=lambda k: k.kind)
 
     def retry_delay(self, kind: str, failures: int) -> float:
         """Seconds to wait before the next run of a ``kind`` job that has failed ``failures`` times."""

@@ -20,8 +20,10 @@ from sqlalchemy.exc import DBAPIError
 
 from ._app import JobEvent, JobQueue
 from ._executor import Outcome
+from ._limits import ensure_limits_table, limits_table
 from ._lost import hand_back
 from ._reconnect import retry_pause
+from .drivers._limits import claim_limited
 from .drivers.base import Claimed, Driver, Fence
 
 __all__ = ["MAX_UNCOUNTED_OUTAGES", "Store"]
@@ -57,11 +59,18 @@ class Store:
         self.queues = list(queues) if queues else None
         self._conn: Connection | None = None
         self.processed = 0  # outcomes written
+        #: Kinds with limits across workers (sqla_jobs._limits): claimed by claim_limited, skipped by the
+        #: ordinary claim. None of them: the claim is the plain one, not one statement more.
+        self.limits = queue.kind_limits()
+        self.limited_kinds = [lim.kind for lim in self.limits]
+        self.limits_table = limits_table(queue) if self.limits else None
 
     def prepare(self, listen: bool, poll_interval: float) -> None:
         """Before the first claim: the schema is the app's, the driver is ready, wake-ups can work."""
         self.queue.check_schema(self.engine)
         self.sql.prepare(self.engine)
+        if self.limits_table is not None:
+            ensure_limits_table(self.engine, self.limits_table)
         if listen:
             with self.engine.connect() as conn:
                 if not self.sql.has_notify_trigger(conn):
@@ -109,11 +118,28 @@ class Store:
         ``queues``: claim from these (a per-queue claim) instead of the worker's queues.
         Returns the claimed jobs and whether a job that must run alone is waiting.
         """
-        with self._hot() as conn:
-            kept, jobs, waiting = self.sql.finish_and_claim(
-                conn, [o.job.fence for o in ok], limit, self.worker_name, token, self.lease,
-                queues if queues is not None else self.queues, alone=alone,
-            )
+        queues = queues if queues is not None else self.queues
+        fences = [o.job.fence for o in ok]
+        if self.limits_table is None or limit <= 0:  # no limits (or no claim): the one round trip it always was
+            with self._hot() as conn:
+                kept, jobs, waiting = self.sql.finish_and_claim(
+                    conn, fences, limit, self.worker_name, token, self.lease, queues, alone=alone,
+                    skip_kinds=self.limited_kinds,
+                )
+        else:
+            # One transaction, so a claim is never half made: the finishes first (the jobs just done no longer
+            # count as running), then the kinds with limits (drivers/_limits.py, under their rows' locks), then
+            # the ordinary claim, skipping those kinds, for the threads still free.
+            with self.sql.write(self.engine) as conn:
+                kept = self.sql.finish(conn, fences)
+                jobs, waiting, lone = claim_limited(self.sql, conn, self.limits_table, self.limits, limit,
+                                                    self.worker_name, token, self.lease, queues, alone)
+                if not lone and len(jobs) < limit:
+                    _, plain, plain_waiting = self.sql.finish_and_claim(
+                        conn, [], limit - len(jobs), self.worker_name, token, self.lease, queues,
+                        alone=alone and not jobs, skip_kinds=self.limited_kinds,
+                    )
+                    jobs, waiting = jobs + plain, waiting or plain_waiting
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")

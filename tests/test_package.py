@@ -37,6 +37,7 @@ PUBLIC = [
     "SqlaJobsError",
     "Worker",
     "current_job",
+    "limits_table",
     "unique_key",
 ]
 
@@ -50,9 +51,9 @@ def test_public_names_are_pinned() -> None:
 #: (sqla_jobs/_registry.py, sqla_jobs/_admin.py) must not change it.
 APP_METHODS = [
     "aio", "cancel", "check_job", "check_schema", "create_tables", "dashboard", "driver", "emit", "enqueue",
-    "enqueue_many", "enqueue_periodic", "enqueue_unique", "get_dead", "get_job", "handler", "list_dead", "list_jobs",
-    "listens", "off", "on", "periodic", "prune", "purge_dead", "requeue_dead", "result", "retry_delay", "retry_now",
-    "stats", "unknown_kind_message",
+    "enqueue_many", "enqueue_periodic", "enqueue_unique", "get_dead", "get_job", "handler", "kind_limits",
+    "list_dead", "list_jobs", "listens", "off", "on", "periodic", "prune", "purge_dead", "requeue_dead", "result",
+    "retry_delay", "retry_now", "stats", "unknown_kind_message",
 ]
 
 

@@ -13,8 +13,10 @@ must implement:
 * the database clock: ``now``, ``later``, ``seconds_between``;
 * ``claim_batch``: take up to N due jobs in (priority desc, run_at, id) order without
   two workers ever getting the same job, and return them in that order,
-  with the isolation rule (``alone``) and whether an isolated job waits;
+  with the isolation rule (``alone``) and whether an isolated job waits, leaving out
+  ``skip_kinds`` (the kinds with limits, which ``_limits.claim_limited`` claims);
   optionally ``finish_and_claim`` fused into one round trip;
+* a payload field as text for per-key limits: a branch in ``_limits.payload_key``;
 * ``errors_plus``: append one entry to the JSON ``errors`` column in SQL;
 * ``run_times``: count, mean, p50, p95, max of run times per kind;
 * ``reflect_indexes`` for the alembic comparator, and ``bench_scratch`` for

@@ -16,7 +16,6 @@ Two rules hold for every write a worker makes after claiming:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ._flow import Flow
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
+from ._percentile import percentile, run_times_in_python
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
 from ._unique import Uniqueness
 
@@ -86,29 +86,6 @@ class Claimed:
     @property
     def fence(self) -> Fence:
         return (self.id, self.token)
-
-
-def percentile(sorted_values: list[float], fraction: float) -> float:
-    """Linear interpolation between closest ranks: the same as PostgreSQL's ``percentile_cont``."""
-    if not sorted_values:
-        raise ValueError("percentile of no values")
-    position = fraction * (len(sorted_values) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
-
-
-def run_times_in_python(rows: Iterable[Any]) -> list[tuple[str, int, float, float, float, float]]:
-    """(kind, count, mean, p50, p95, max) from (kind, seconds) rows, for databases without ``percentile_cont``."""
-    by_kind: dict[str, list[float]] = {}
-    for kind, seconds in rows:
-        by_kind.setdefault(kind, []).append(max(0.0, float(seconds)))
-    result = []
-    for kind in sorted(by_kind):
-        values = sorted(by_kind[kind])
-        result.append((kind, len(values), sum(values) / len(values), percentile(values, 0.5),
-                       percentile(values, 0.95), values[-1]))
-    return result
 
 
 class Listener(Protocol):
@@ -244,12 +221,13 @@ class Driver(Setup, Operations, Uniqueness, Flow):
         queues: Sequence[str] | None,
         *,
         alone: bool = False,
+        skip_kinds: Sequence[str] = (),
     ) -> list[Claimed]:
         """Claim up to ``limit`` due jobs, returned in claim order (most urgent, then oldest, first).
 
         Isolated jobs follow ``finish_and_claim``'s rule.
         """
-        return self.claim_batch(conn, limit, worker, token, lease, queues, alone)[0]
+        return self.claim_batch(conn, limit, worker, token, lease, queues, alone, skip_kinds)[0]
 
     def claim_batch(
         self,
@@ -260,6 +238,7 @@ class Driver(Setup, Operations, Uniqueness, Flow):
         lease: float,
         queues: Sequence[str] | None,
         alone: bool,
+        skip_kinds: Sequence[str] = (),
     ) -> tuple[list[Claimed], bool]:
         """The claim itself: (claimed in claim order, isolated_waiting); see ``finish_and_claim``."""
         raise NotImplementedError
@@ -275,17 +254,18 @@ class Driver(Setup, Operations, Uniqueness, Flow):
         queues: Sequence[str] | None,
         *,
         alone: bool = False,
+        skip_kinds: Sequence[str] = (),
     ) -> tuple[set[int], list[Claimed], bool]:
-        """Mark ``fences`` finished and claim up to ``limit`` due jobs.
+        """Mark ``fences`` finished and claim up to ``limit`` due jobs (none of ``skip_kinds``).
 
         Returns (finished ids, claimed, isolated_waiting). The worker's hot path;
         by default a few statements in the caller's transaction. Jobs marked
         ``isolate`` are claimed only with ``alone`` (the worker runs nothing), one
         at a time and with nothing else; ``isolated_waiting`` says such a job was
         among the most urgent ``limit`` and was left, so the worker should drain
-        and claim alone.
+        and claim alone. ``skip_kinds``: kinds with limits, which ``drivers._limits.claim_limited`` claims.
         """
-        claimed, waiting = self.claim_batch(conn, limit, worker, token, lease, queues, alone)
+        claimed, waiting = self.claim_batch(conn, limit, worker, token, lease, queues, alone, skip_kinds)
         return self.finish(conn, fences), claimed, waiting
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:

@@ -41,7 +41,6 @@ from sqlalchemy import (
     Select,
     Table,
     bindparam,
-    case,
     create_engine,
     delete,
     func,
@@ -59,6 +58,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.elements import ColumnElement
 
+from ._mysql_stats import MySQLStats
 from ._operations import truncate, utcnow
 from .base import DEAD_COLUMNS, Claimed, DatabaseNow, Driver, Fence, IndexDefinition, run_times_in_python
 
@@ -102,7 +102,7 @@ def _utc_default(element: DatabaseNow, compiler: Any, **kw: Any) -> str:
     return "(UTC_TIMESTAMP(6))"
 
 
-class MySQLDriver(Driver):
+class MySQLDriver(MySQLStats, Driver):
     """MariaDB and MySQL: see the module docstring."""
 
     name = "mariadb"
@@ -264,6 +264,7 @@ class MySQLDriver(Driver):
         lease: float,
         queues: Sequence[str] | None,
         alone: bool,
+        skip_kinds: Sequence[str] = (),
     ) -> tuple[list[Claimed], bool]:
         """Lock the due window with SKIP LOCKED, then take what the isolation rule allows."""
         if limit <= 0:
@@ -274,6 +275,8 @@ class MySQLDriver(Driver):
         ).where(t.c.state == "pending", t.c.run_at <= self.now())
         if queues:
             due = due.where(t.c.queue.in_(list(queues)))
+        if skip_kinds:
+            due = due.where(t.c.kind.not_in(list(skip_kinds)))
         due = due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)
         window = list(conn.execute(due.with_for_update(skip_locked=True)))  # in claim order
         isolated = [r for r in window if r.isolate]
@@ -397,51 +400,6 @@ class MySQLDriver(Driver):
         if not ids:
             return 0
         return conn.execute(delete(t).where(t.c.id.in_(ids))).rowcount
-
-    # -- stats: no FILTER clause in MySQL, so a CASE inside the aggregate ------------------
-
-    @staticmethod
-    def _count_if(condition: ColumnElement[bool]) -> ColumnElement[int]:
-        return func.count(case((condition, 1)))
-
-    def pending_by_queue(self, conn: Connection) -> list[Any]:
-        t, now = self.jobs, self.now()
-        due = t.c.run_at <= now
-        oldest = (
-            select(
-                t.c.queue,
-                self._count_if(due).label("ready"),
-                self._count_if(~due).label("scheduled"),
-                func.min(case((due, t.c.run_at))).label("oldest_due"),
-            )
-            .where(t.c.state == "pending")
-            .group_by(t.c.queue)
-            .subquery()
-        )
-        age = self.seconds_between(now, oldest.c.oldest_due)
-        stmt = select(oldest.c.queue, oldest.c.ready, oldest.c.scheduled, age.label("oldest_age"))
-        return list(conn.execute(stmt.order_by(oldest.c.queue)))
-
-    def running_by_queue(self, conn: Connection) -> list[Any]:
-        t = self.jobs
-        stmt = (
-            select(t.c.queue, func.count().label("running"),
-                   self._count_if(t.c.lease_expires_at < self.now()).label("expired"))
-            .where(t.c.state == "running")
-            .group_by(t.c.queue)
-            .order_by(t.c.queue)
-        )
-        return list(conn.execute(stmt))
-
-    def dead_by_kind(self, conn: Connection, window: float) -> list[Any]:
-        d = self.dead
-        stmt = (
-            select(d.c.kind, func.count().label("total"),
-                   self._count_if(d.c.failed_at >= self.ago(window)).label("recent"))
-            .group_by(d.c.kind)
-            .order_by(d.c.kind)
-        )
-        return list(conn.execute(stmt))
 
     def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:
         """MariaDB's PERCENTILE_CONT is a window function only, MySQL has none: computed in Python."""

@@ -82,7 +82,7 @@ WITH done AS (
     RETURNING j.id
 ), due AS MATERIALIZED (
     SELECT id, isolate, priority, run_at FROM {table}
-    WHERE state = 'pending' AND run_at <= now() {queue_filter}
+    WHERE state = 'pending' AND run_at <= now() {queue_filter}{skip_filter}
     ORDER BY priority DESC, run_at, id
     LIMIT %(limit)s
     FOR UPDATE SKIP LOCKED
@@ -121,9 +121,12 @@ class PostgreSQLDriver(Driver):
     def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
         super().__init__(jobs, dead, dbapi)
         self._channel = notify_channel(jobs)
-        self._pg_hot = {by_queue: _PG_FINISH_AND_CLAIM.format(
-            table=pg_name(jobs), queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else ""
-        ) for by_queue in (False, True)}
+        # Four variants: by queue or not, skipping limited kinds or not (the statement without limits
+        # is unchanged: kinds with limits are claimed by drivers/_limits.py in a transaction of their own).
+        self._pg_hot = {(by_queue, skip): _PG_FINISH_AND_CLAIM.format(
+            table=pg_name(jobs), queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else "",
+            skip_filter=" AND kind <> ALL(%(skip)s::text[])" if skip else "",
+        ) for by_queue in (False, True) for skip in (False, True)}
 
     @property
     def supports_listen(self) -> bool:
@@ -313,8 +316,10 @@ class PostgreSQLDriver(Driver):
         queues: Sequence[str] | None,
         *,
         alone: bool = False,
+        skip_kinds: Sequence[str] = (),
     ) -> tuple[set[int], list[Claimed], bool]:
-        return self._pg_finish_and_claim(conn, fences, limit, worker, token, lease, queues, ordered=False, alone=alone)
+        return self._pg_finish_and_claim(conn, fences, limit, worker, token, lease, queues, ordered=False, alone=alone,
+                                         skip_kinds=skip_kinds)
 
     def _pg_finish_and_claim(
         self,
@@ -328,6 +333,7 @@ class PostgreSQLDriver(Driver):
         *,
         ordered: bool,
         alone: bool,
+        skip_kinds: Sequence[str] = (),
     ) -> tuple[set[int], list[Claimed], bool]:
         params = {
             "fences": ",".join(f"{job_id}:{job_token}" for job_id, job_token in fences),
@@ -337,11 +343,12 @@ class PostgreSQLDriver(Driver):
             "lease": float(lease),
             "queues": list(queues or ()),
             "alone": alone,
+            "skip": list(skip_kinds),
         }
         # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
         # result machinery was a fifth of the worker's time. Errors are wrapped
         # back into SQLAlchemy's, which is what the worker's retry loop expects.
-        sql = self._pg_hot[bool(queues)]
+        sql = self._pg_hot[bool(queues), bool(skip_kinds)]
         if not conn.in_transaction():
             # SQLAlchemy does not see what the driver cursor runs: without this its commit
             # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
@@ -369,10 +376,11 @@ class PostgreSQLDriver(Driver):
         lease: float,
         queues: Sequence[str] | None,
         alone: bool,
+        skip_kinds: Sequence[str] = (),
     ) -> tuple[list[Claimed], bool]:
         # The worker's own statement, so what is tested is what runs.
         _, jobs, waiting = self._pg_finish_and_claim(
-            conn, [], limit, worker, token, lease, queues, ordered=True, alone=alone
+            conn, [], limit, worker, token, lease, queues, ordered=True, alone=alone, skip_kinds=skip_kinds
         )
         return jobs, waiting
 

@@ -173,6 +173,7 @@ class SQLiteDriver(Driver):
         lease: float,
         queues: Sequence[str] | None,
         alone: bool,
+        skip_kinds: Sequence[str] = (),
     ) -> tuple[list[Claimed], bool]:
         """Under BEGIN IMMEDIATE: choose among the due window, then take the rows."""
         if limit <= 0:
@@ -181,6 +182,8 @@ class SQLiteDriver(Driver):
         due = select(t.c.id, t.c.isolate).where(t.c.state == "pending", t.c.run_at <= self.now())
         if queues:
             due = due.where(t.c.queue.in_(queues))
+        if skip_kinds:
+            due = due.where(t.c.kind.not_in(list(skip_kinds)))
         window = list(conn.execute(due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)))
         isolated = [r.id for r in window if r.isolate]
         if alone and isolated:
