@@ -11,28 +11,33 @@ changed behind its back.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from sqlalchemy import MetaData, Table
 from sqlalchemy.schema import SchemaItem
 
-if TYPE_CHECKING:
-    from ._app import JobQueue
+__all__ = ["HasJobModel", "companion_table"]
 
-__all__ = ["companion_table"]
+
+class HasJobModel(Protocol):
+    """What a companion table needs of the app (a ``JobQueue``): typed without importing ``_app``, which
+    imports the registry, which imports the limits, which make a companion table."""
+
+    @property
+    def job_model(self) -> type[Any]: ...
 
 #: Companion tables not declared in an application's metadata, by table key.
 _PRIVATE: dict[str, MetaData] = {}
 
 
 def companion_table(
-    queue: JobQueue[Any, Any],
+    queue: HasJobModel,
     suffix: str,
     metadata: MetaData | None,
     items: Callable[[str], Sequence[SchemaItem]],
 ) -> Table:
     """``<jobs table>_<suffix>``: the declared one if there is one, else made with ``items(name)``."""
-    jobs: Table = queue.job_model.__table__  # type: ignore[attr-defined]
+    jobs: Table = queue.job_model.__table__
     name = f"{jobs.name}_{suffix}"
     key = f"{jobs.schema}.{name}" if jobs.schema else name
     # Declared: the table is (or becomes) the app's. Undeclared: the app's if it declared it, else our own.

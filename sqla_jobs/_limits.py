@@ -19,18 +19,15 @@ worker whose app does not know a limit claims that kind freely.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import Column, Double, MetaData, String, Table, inspect
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
-from ._companion import companion_table
+from ._companion import HasJobModel, companion_table
 from ._models import MAX_KIND_LENGTH, timestamp_type
 from .errors import ConfigError
-
-if TYPE_CHECKING:
-    from ._app import JobQueue
 
 __all__ = ["KindLimit", "ensure_limits_table", "limits_table", "make_limit"]
 
@@ -90,7 +87,7 @@ def make_limit(kind: str, limit: int | None, limit_key: str | None, rate: Any) -
     return KindLimit(kind, limit, limit_key, count, period)
 
 
-def limits_table(queue: JobQueue[Any, Any], metadata: MetaData | None = None) -> Table:
+def limits_table(queue: HasJobModel, metadata: MetaData | None = None) -> Table:
     """``<jobs table>_limits`` of ``queue``: one row per limited kind (declared in ``metadata`` if given).
 
     ``name`` is the kind's row (``kind:<kind>``); ``tokens`` and ``updated_at``
