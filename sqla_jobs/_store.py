@@ -213,6 +213,11 @@ class Store:
         hand_back(self.queue, self.engine, self.sql, self.sql.expired,
                   "worker {row.locked_by} stopped heartbeating (lease expired)")
 
+    def upkeep(self) -> None:
+        """The table's own upkeep (``Driver.upkeep``: the coming days' partitions of a partitioned table)."""
+        with self.engine.begin() as conn:
+            self.sql.upkeep(conn)
+
     def prune(self, older_than: float, batch: int) -> int:
         """Delete one batch of old finished jobs (one worker at a time: the driver's prune lock)."""
         deleted = self.queue.prune(self.engine, older_than=older_than, batch_size=batch, max_batches=1)

@@ -131,6 +131,20 @@ class Setup:
         raise NotImplementedError
         yield url  # pragma: no cover
 
+    def create_partitioned(self, conn: Connection) -> None:
+        """``create`` with the jobs table partitioned so finished jobs leave the hot table
+        (``create-tables --partitioned``); an existing jobs table is left as it is."""
+        raise ConfigError(f"--partitioned: {self.name} has no partitioned mode (it is PostgreSQL's)")
+
+    @classmethod
+    def partitioned_ddl(cls, table: Table) -> list[str] | None:
+        """The statements that create ``table`` partitioned (``migrations render --partitioned``), or None."""
+        return None
+
+    def upkeep(self, conn: Connection) -> None:
+        """What the maintenance leader does for the table now and then, besides reaping and pruning
+        (partitioned PostgreSQL: make the coming days' partitions); nothing by default."""
+
     def harden(self, engine: Engine, worker_name: str) -> None:
         """Make ``engine``'s connections notice a dead network (nothing by default)."""
 

@@ -51,13 +51,14 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util import await_only
 
 from ..errors import ConfigError
-from . import pg_keepalive
+from . import pg_keepalive, pg_partitions
 from ._setup import GeneratedColumn
 from ._unique import on_conflict_insert
-from .base import Claimed, Driver, Fence, IndexDefinition
+from .base import Claimed, Fence, IndexDefinition
 from .pg_claim import run_claim
 from .pg_listen import PgListener
 from .pg_notify import notify_channel, notify_trigger_ddl, notify_trigger_name, pg_name
+from .pg_partitions import PartitionedMode
 
 __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_trigger_name"]
 
@@ -92,7 +93,7 @@ WITH done AS (
     UPDATE {table} AS j
     SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
         claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
-    FROM due WHERE j.id = due.id
+    FROM due WHERE j.id = due.id AND j.state = 'pending'  -- true of a locked due row; prunes to _live
         AND (due.id IN (SELECT id FROM alone) OR NOT (due.isolate OR EXISTS (SELECT FROM alone)))
     RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate
 )
@@ -111,8 +112,8 @@ def _stored(element: GeneratedColumn, compiler: Any, **kw: Any) -> str:
     return str(compiler.visit_computed_column(Computed(element.sqltext, persisted=True), **kw))
 
 
-class PostgreSQLDriver(Driver):
-    """PostgreSQL: see the module docstring."""
+class PostgreSQLDriver(PartitionedMode):
+    """PostgreSQL: see the module docstring; the partitioned mode's methods are in ``pg_partitions``."""
 
     name = "postgresql"
     label = "PostgreSQL"
@@ -397,6 +398,8 @@ class PostgreSQLDriver(Driver):
         return cast(literal(text, Text()), JSONB())
 
     def insert_unique(self, conn: Connection, row: dict[str, Any]) -> int | None:
+        if pg_partitions.is_partitioned(conn, self.jobs):  # no unique index on the parent to conflict on
+            return pg_partitions.insert_unique(self, conn, row)
         return on_conflict_insert(self, conn, row, postgresql.insert)
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
