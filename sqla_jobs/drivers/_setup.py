@@ -137,8 +137,9 @@ class Setup:
         raise ConfigError(f"--partitioned: {self.name} has no partitioned mode (it is PostgreSQL's)")
 
     @classmethod
-    def partitioned_ddl(cls, table: Table) -> list[str] | None:
-        """The statements that create ``table`` partitioned (``migrations render --partitioned``), or None."""
+    def partitioned_migration(cls, table: Table) -> tuple[str, str, str] | None:
+        """Alembic upgrade and downgrade code creating ``table`` partitioned, and a summary line
+        (``migrations render --partitioned``); None where the backend has no such mode."""
         return None
 
     def upkeep(self, conn: Connection) -> None:

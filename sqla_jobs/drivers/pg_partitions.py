@@ -292,8 +292,14 @@ class PartitionedMode(Driver):
         self.create(conn)  # the dead-letter table and the trigger; the jobs table's indexes exist by name
 
     @classmethod
-    def partitioned_ddl(cls, table: Table) -> list[str] | None:
-        return create_statements(table)
+    def partitioned_migration(cls, table: Table) -> tuple[str, str, str] | None:
+        # No day partitions: the revision may run days after it was rendered; the first worker
+        # to lead makes today's and the coming days' (until then finished rows go to DEFAULT).
+        guard = (f'    if op.get_bind().dialect.name != "{cls.name}":\n'
+                 f'        raise NotImplementedError("a partitioned jobs table is {cls.label}\'s alone")\n')
+        body = "".join(f"    op.execute({statement!r})\n" for statement in create_statements(table, days_ahead=-1))
+        summary = f"create table {table.name} partitioned by state, finished jobs by day ({cls.label})"
+        return guard + body.rstrip("\n"), f"    op.execute({f'DROP TABLE {pg_name(table)}'!r})", summary
 
     def creatable_indexes(self, conn: Connection, table: Table) -> list[Any]:
         found = super().creatable_indexes(conn, table)
