@@ -309,7 +309,7 @@ def _partitioned_code(queue: JobQueue[Any, Any], conn: Connection | None) -> tup
     drivers = [driver_class_of(conn)] if conn is not None else list(registered())
     codes = [code for code in (d.partitioned_migration(table) for d in drivers) if code is not None]
     if not codes:
-        raise ConfigError(f"--partitioned: {conn.dialect.name if conn else 'no database'} has no partitioned mode")
+        raise ConfigError(f"--partitioned: {drivers[0].label} has no partitioned mode (it is PostgreSQL's)")
     if conn is not None and inspect(conn).has_table(table.name, schema=table.schema):
         raise ConfigError(f"--partitioned: table {table.fullname!r} exists already; partitioning it is a data "
                           "migration of its own (see docs/howto/partitioning.md)")

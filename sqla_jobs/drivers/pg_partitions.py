@@ -258,11 +258,18 @@ def drop_expired(conn: Connection, table: Table, older_than: float, limit: int) 
     cutoff = conn.execute(text("SELECT now() - make_interval(secs => :s)"), {"s": float(older_than)}).scalar_one()
     expired = [name for day, name in sorted(day_partitions(conn, table).items())
                if datetime(day.year, day.month, day.day, tzinfo=timezone.utc) + timedelta(days=1) <= cutoff]
-    removed = sum(int(conn.execute(text(f"SELECT count(*) FROM {name}")).scalar_one()) for name in expired)
-    if expired:
-        conn.execute(text(f"SET LOCAL lock_timeout = '{_LOCK_TIMEOUT}'"))
-        for name in expired:
+    removed = 0
+    for name in expired:
+        rows = int(conn.execute(text(f"SELECT count(*) FROM {name}")).scalar_one())
+        savepoint = conn.begin_nested()
+        try:
+            conn.execute(text(f"SET LOCAL lock_timeout = '{_LOCK_TIMEOUT}'"))
             conn.execute(text(f"DROP TABLE {name}"))
+        except DBAPIError:
+            savepoint.rollback()  # the lock was not granted in time: the next prune tries again
+            break
+        savepoint.commit()
+        removed += rows
     default = _sibling(table, "_done_default")
     return removed + conn.execute(text(
         f"DELETE FROM {default} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {default} "
