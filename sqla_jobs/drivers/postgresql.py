@@ -82,7 +82,7 @@ WITH done AS (
     WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running'
     RETURNING j.id
 ), due AS MATERIALIZED (
-    SELECT id, isolate, priority, run_at FROM {table}
+    SELECT id, isolate, priority, run_at FROM {live}
     WHERE state = 'pending' AND run_at <= now() {queue_filter}
     ORDER BY priority DESC, run_at, id
     LIMIT %(limit)s
@@ -90,10 +90,10 @@ WITH done AS (
 ), alone AS (
     SELECT id FROM due WHERE isolate AND %(alone)s ORDER BY priority DESC, run_at, id LIMIT 1
 ), claimed AS (
-    UPDATE {table} AS j
+    UPDATE {live} AS j
     SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
         claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
-    FROM due WHERE j.id = due.id AND j.state = 'pending'  -- true of a locked due row; prunes to _live
+    FROM due WHERE j.id = due.id
         AND (due.id IN (SELECT id FROM alone) OR NOT (due.isolate OR EXISTS (SELECT FROM alone)))
     RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate
 )
@@ -122,9 +122,12 @@ class PostgreSQLDriver(PartitionedMode):
     def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
         super().__init__(jobs, dead, dbapi)
         self._channel = notify_channel(jobs)
-        self._pg_hot = {by_queue: _PG_FINISH_AND_CLAIM.format(
-            table=pg_name(jobs), queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else ""
-        ) for by_queue in (False, True)}
+        # A partitioned table (pg_partitions) is claimed from its live partition, named directly: a
+        # state filter on the parent would let the planner walk the pending index in the claim's UPDATE.
+        self._pg_hot = {(by_queue, parted): _PG_FINISH_AND_CLAIM.format(
+            table=pg_name(jobs), live=pg_partitions.live_name(jobs) if parted else pg_name(jobs),
+            queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else ""
+        ) for by_queue in (False, True) for parted in (False, True)}
 
     @property
     def supports_listen(self) -> bool:
@@ -342,7 +345,7 @@ class PostgreSQLDriver(PartitionedMode):
         # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
         # result machinery was a fifth of the worker's time. Errors are wrapped
         # back into SQLAlchemy's, which is what the worker's retry loop expects.
-        sql = self._pg_hot[bool(queues)]
+        sql = self._pg_hot[bool(queues), pg_partitions.is_partitioned(conn, self.jobs)]
         if not conn.in_transaction():
             # SQLAlchemy does not see what the driver cursor runs: without this its commit
             # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
