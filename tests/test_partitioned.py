@@ -9,8 +9,10 @@ making the coming days, and the two ways to create it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import importlib
+from collections.abc import Callable, Iterator
 from datetime import date, datetime, timedelta, timezone
+from inspect import signature
 from pathlib import Path
 
 import pytest
@@ -177,3 +179,23 @@ def test_migrations_render_partitioned_creates_it_and_a_worker_uses_it(tmp_path:
         project.alembic("downgrade", "base")
         assert not inspect(engine).has_table("app_tasks")
         engine.dispose()
+
+
+#: Test modules of the user-facing surface whose ``test_x(db)`` functions run here on a partitioned table too.
+_USER_FACING = ("test_dashboard", "test_stats", "test_operations", "test_unique", "test_periodic", "test_cli",
+                "test_results", "test_cancel_running", "test_dead_letters")
+
+
+def _db_tests() -> Iterator[object]:
+    for name in _USER_FACING:
+        module = importlib.import_module(f"tests.{name}")
+        for attr, function in sorted(vars(module).items()):
+            if attr.startswith("test_") and callable(function) and list(signature(function).parameters) == ["db"]:
+                yield pytest.param(function, id=f"{name}.{attr}")
+
+
+@pytest.mark.parametrize("user_test", list(_db_tests()))
+def test_the_user_facing_tests_pass_on_a_partitioned_table(user_test: Callable[[Database], None],
+                                                          part: Database) -> None:
+    """Jobs, admin commands, stats, the dashboard, unique keys, periodic jobs: the plain table's own tests."""
+    user_test(part)
