@@ -10,6 +10,9 @@ making the coming days, and the two ways to create it.
 from __future__ import annotations
 
 import importlib
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from datetime import date, datetime, timedelta, timezone
 from inspect import signature
@@ -23,7 +26,7 @@ from sqla_jobs import Worker
 from sqla_jobs.drivers import pg_partitions
 from tests import app
 from tests import test_concurrency as concurrency
-from tests.conftest import Database, make_database, run_cli
+from tests.conftest import PG_URL, ROOT, Database, make_database, require_postgres, run_cli
 from tests.test_migrations import Project, write_models
 
 JOBS = app.Job.__table__
@@ -199,3 +202,18 @@ def test_the_user_facing_tests_pass_on_a_partitioned_table(user_test: Callable[[
                                                           part: Database) -> None:
     """Jobs, admin commands, stats, the dashboard, unique keys, periodic jobs: the plain table's own tests."""
     user_test(part)
+
+
+def test_the_benchmark_script_runs(tmp_path: Path) -> None:
+    """docs/bench/partitioned.py, small: both modes, and the prune removes every old row in each."""
+    require_postgres()
+    out = subprocess.run(
+        [sys.executable, "docs/bench/partitioned.py", "--url", PG_URL, "--finished", "3000", "--jobs", "200",
+         "--runs", "1", "--samples", "20", "--concurrency", "4", "--json", str(tmp_path / "r.json")],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "| prune of the old rows, s |" in out.stdout
+    results = json.loads((tmp_path / "r.json").read_text())
+    assert results["plain"]["pruned"] == results["partitioned"]["pruned"] == 3000
+    assert results["partitioned"]["after_prune"]["total_mb"] < results["partitioned"]["before"]["total_mb"]

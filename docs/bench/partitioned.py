@@ -5,7 +5,8 @@
     python docs/bench/partitioned.py --url postgresql+psycopg://postgres@127.0.0.1:5432/test \\
         [--finished 5000000] [--jobs 20000] [--runs 3] [--samples 500] [--concurrency 16]
 
-For each mode (``plain``: ``create-tables``; ``partitioned``: ``create-tables
+Run it from a checkout, with the Python environment that has sqla-jobs installed
+(``pip install -e .``). For each mode (``plain``: ``create-tables``; ``partitioned``: ``create-tables
 --partitioned``) in a scratch schema of its own:
 
 1. ``--finished`` finished jobs are written by one ``INSERT … SELECT generate_series`` on
