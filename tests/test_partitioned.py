@@ -162,6 +162,8 @@ def test_migrations_render_partitioned_creates_it_and_a_worker_uses_it(tmp_path:
         project.path.mkdir()
         write_models(project.path)
         project.sqla_jobs("migrations", "init", "migrations")
+        ini = project.path / "alembic.ini"
+        ini.write_text(ini.read_text().replace("sqla_jobs.app =", "sqla_jobs.app = jobmodels:queue"))
         out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--partitioned").stdout
         assert "partitioned by state" in out and "create table app_dead_tasks" in out
         project.alembic("upgrade", "head")
@@ -175,6 +177,10 @@ def test_migrations_render_partitioned_creates_it_and_a_worker_uses_it(tmp_path:
             days = conn.execute(text("SELECT count(*) FROM pg_inherits WHERE inhparent = 'app_tasks_done'::regclass"
                                      )).scalar()
         assert live == 0 and days == pg_partitions.DAYS_AHEAD + 2  # the days and DEFAULT
+        # An upgrade compares the layout as the model has it: nothing to render, alembic check is clean.
+        upgrade = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", database.url)
+        assert "up to date" in upgrade.stdout, upgrade.stdout
+        project.check_clean()
         # On a database that has the table, --partitioned refuses: partitioning it is a data migration.
         twice = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--partitioned",
                                   "--url", database.url, check=False)

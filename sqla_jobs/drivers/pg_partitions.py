@@ -41,6 +41,7 @@ What differs from the plain table:
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from datetime import date, datetime, timedelta, timezone
 from typing import Any
 
@@ -57,6 +58,7 @@ __all__ = [
     "DAYS_AHEAD",
     "LIVE_STATES",
     "PartitionedMode",
+    "as_the_model_has_them",
     "create_statements",
     "day_partitions",
     "done_name",
@@ -192,6 +194,23 @@ def day_partitions(conn: Connection, table: Table) -> dict[date, str]:
     return found
 
 
+def as_the_model_has_them(conn: Connection, schema: str | None, table: str, found: dict[str, Any],
+                          reflect: Callable[[Connection, str | None, str], dict[str, Any]]) -> dict[str, Any]:
+    """The reflected indexes of a partitioned jobs table as the alembic comparator should see them: with
+    the unique key's index, which is on ``_live`` (the two this mode adds are ``layout_indexes``), so that
+    ``migrations render --url`` renders only what a newer sqla-jobs adds, not this layout's differences."""
+    target = f"{_QUOTE.quote_schema(schema)}.{_QUOTE.quote(table)}" if schema else _QUOTE.quote(table)
+    parted = conn.execute(text("SELECT EXISTS (SELECT FROM pg_partitioned_table WHERE partrelid = to_regclass(:t))"),
+                          {"t": target}).scalar()
+    if not parted:
+        return found
+    unique = f"ux_{table}_unique"[:63]
+    live = reflect(conn, schema, f"{table}_live"[:63])
+    if unique in live:
+        found[unique] = live[unique]
+    return found
+
+
 # -- unique keys ---------------------------------------------------------------------------
 
 def insert_unique(driver: Uniqueness, conn: Connection, row: dict[str, Any]) -> int | None:
@@ -307,6 +326,17 @@ class PartitionedMode(Driver):
         body = "".join(f"    op.execute({statement!r})\n" for statement in create_statements(table, days_ahead=-1))
         summary = f"create table {table.name} partitioned by state, finished jobs by day ({cls.label})"
         return guard + body.rstrip("\n"), f"    op.execute({f'DROP TABLE {pg_name(table)}'!r})", summary
+
+    @classmethod
+    def layout_indexes(cls, table_name: str) -> set[str]:
+        return {f"ix_{table_name}_id"[:63], f"ix_{table_name}_unique_held"[:63]}
+
+    @classmethod
+    def layout_table(cls, table_name: str, name: str) -> bool:
+        prefix = f"{table_name}_done_"
+        rest = name[len(prefix):] if name.startswith(prefix) else ""
+        return name in (f"{table_name}_live", f"{table_name}_done") or rest == "default" or (
+            len(rest) == 8 and rest.isdigit())
 
     def creatable_indexes(self, conn: Connection, table: Table) -> list[Any]:
         found = super().creatable_indexes(conn, table)

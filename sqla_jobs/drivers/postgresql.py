@@ -221,7 +221,7 @@ class PostgreSQLDriver(PartitionedMode):
             elements = tuple(f"{e} DESC" if "desc" in sorting.get(e, ()) else str(e) for e in expressions)
             where = (index.get("dialect_options") or {}).get("postgresql_where")
             found[str(index["name"])] = (bool(index.get("unique")), elements, str(where) if where is not None else None)
-        return found
+        return pg_partitions.as_the_model_has_them(conn, schema, table, found, cls.reflect_indexes)
 
     @classmethod
     @contextmanager
