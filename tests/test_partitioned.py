@@ -13,6 +13,8 @@ import importlib
 import json
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import date, datetime, timedelta, timezone
 from inspect import signature
@@ -20,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, inspect, select, text, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from sqla_jobs import Worker
@@ -223,3 +226,32 @@ def test_the_benchmark_script_runs(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "r.json").read_text())
     assert results["plain"]["pruned"] == results["partitioned"]["pruned"] == 3000
     assert results["partitioned"]["after_prune"]["total_mb"] < results["partitioned"]["before"]["total_mb"]
+
+
+def test_a_write_racing_a_move_to_another_partition_is_a_conflict_to_retry(part: Database) -> None:
+    """What the how-to says: PostgreSQL fails (40001), not follows, a row a concurrent transaction moved."""
+    driver = app.queue.driver(part.engine)
+    with Session(part.engine) as session, session.begin():
+        job = app.Job(kind="noop", payload={})
+        session.add(job)
+        session.flush()
+        job_id = job.id
+    errors: list[BaseException] = []
+    with part.engine.connect() as mover:
+        assert driver.cancel(mover, job_id) == (True, "pending")  # moves it to the done partition, uncommitted
+
+        def retry() -> None:
+            try:
+                with driver.write(part.engine) as conn:
+                    driver.retry_now(conn, job_id)  # waits for the mover's row lock
+            except DBAPIError as exc:
+                errors.append(exc)
+
+        racer = threading.Thread(target=retry)
+        racer.start()
+        time.sleep(0.5)
+        mover.commit()
+        racer.join(30)
+    assert len(errors) == 1 and driver.is_conflict(errors[0]), errors
+    with Session(part.engine) as session:
+        assert app.queue.get_job(session, job_id).state == "cancelled"
