@@ -21,7 +21,7 @@ from inspect import signature
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, inspect, select, text, update
+from sqlalchemy import create_engine, func, inspect, select, text, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
@@ -255,3 +255,27 @@ def test_a_write_racing_a_move_to_another_partition_is_a_conflict_to_retry(part:
     assert len(errors) == 1 and driver.is_conflict(errors[0]), errors
     with Session(part.engine) as session:
         assert app.queue.get_job(session, job_id).state == "cancelled"
+
+
+def test_a_day_whose_rows_are_in_default_is_skipped_and_pruned_there_by_age(part: Database) -> None:
+    today = _today(part)
+    later = today + timedelta(days=2)
+    with Session(part.engine) as session, session.begin():
+        session.add_all([app.Job(kind="noop", payload={}) for _ in range(2)])
+    _burst(part)
+    with part.engine.begin() as conn:
+        conn.execute(text(f"DROP TABLE jobs_done_{later:%Y%m%d}"))
+    noon = datetime.combine(later, datetime.min.time(), timezone.utc) + timedelta(hours=12)
+    with part.engine.begin() as conn:  # a clock that ran ahead, or a leader away: the row lands in DEFAULT
+        conn.execute(update(JOBS).where(JOBS.c.id == select(func.min(JOBS.c.id)).scalar_subquery())
+                     .values(finished_at=noon))
+    assert _count(part, "jobs_done_default") == 1
+    with part.engine.begin() as conn:
+        assert pg_partitions.ensure_days(conn, JOBS) == []  # that day cannot be made; no error either
+    assert later not in _days(part)
+    assert app.queue.prune(part.engine, older_than=0) == 0  # DEFAULT is pruned by age: that row is not old
+    with part.engine.begin() as conn:
+        conn.execute(update(JOBS).where(JOBS.c.finished_at == noon).values(finished_at=noon - timedelta(days=9)))
+    assert _count(part, "jobs_done_default") == 1
+    assert app.queue.prune(part.engine, older_than=86400) == 1
+    assert _count(part, "jobs_done_default") == 0 and _count(part, "jobs") == 1
