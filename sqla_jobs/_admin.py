@@ -53,15 +53,20 @@ class Admin(Generic[J]):
 
     # -- tables ------------------------------------------------------------------
 
-    def create_tables(self, engine: Engine) -> None:
+    def create_tables(self, engine: Engine, *, partitioned: bool = False) -> None:
         """Create the two tables (and their PostgreSQL schema) and their indexes if missing; for apps without alembic.
 
         Existing tables are not altered otherwise: a column added by a newer
         sqla-jobs needs a migration (see docs/howto/migrations.md).
+        ``partitioned`` (PostgreSQL): a new jobs table is partitioned so finished
+        jobs leave the hot table (see docs/howto/partitioning.md).
         """
         _not_async(engine, "create_tables")
         with engine.begin() as conn:
-            self._create_tables_on(conn)
+            if partitioned:
+                self.driver(conn).create_partitioned(conn)
+            else:
+                self._create_tables_on(conn)
         self.driver(engine).prepare(engine)
 
     def _create_tables_on(self, conn: Connection) -> None:

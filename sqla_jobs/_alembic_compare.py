@@ -21,7 +21,7 @@ from alembic.operations import ops
 from sqlalchemy import Column, Computed, Index, Table, event, text
 
 from ._models import DeadJobMixin, JobMixin
-from .drivers import GeneratedColumn, driver_class_of
+from .drivers import GeneratedColumn, driver_class_of, registered
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
@@ -43,7 +43,10 @@ def job_tables() -> Iterator[tuple[Table, set[str]]]:
             table = sub.__dict__.get("__table__")
             if isinstance(table, Table):
                 indexes = sub.job_indexes() if issubclass(sub, JobMixin) else sub.dead_indexes()
-                yield table, {ix.name for ix in indexes if isinstance(ix.name, str)}
+                names = {ix.name for ix in indexes if isinstance(ix.name, str)}
+                if issubclass(sub, JobMixin):  # and those a backend's layout adds (a partitioned table's)
+                    names.update(*(d.layout_indexes(table.name) for d in registered()))
+                yield table, names
 
 
 def _our_index_names(table: Table) -> set[str]:
@@ -55,7 +58,11 @@ def _our_index_names(table: Table) -> set[str]:
 
 
 def _leave_our_indexes_to_us(obj: Any, name: str | None, type_: str, reflected: bool, compare_to: Any) -> bool:
-    """include_object: alembic misjudges sqla-jobs' partial and expression indexes; our comparator owns them."""
+    """include_object: alembic misjudges sqla-jobs' partial and expression indexes; our comparator owns them.
+    The tables a backend's layout adds to a jobs table (a partitioned table's partitions) are left alone."""
+    if type_ == "table" and reflected and compare_to is None and name is not None:
+        return not any(d.layout_table(t.name, name) for t, _ in job_tables() if t.schema == obj.schema
+                       for d in registered())
     return not (type_ == "index" and name in _our_index_names(obj.table))
 
 

@@ -96,7 +96,7 @@ def _first_line(text: str | None, width: int = 80) -> str:
 def cmd_create_tables(args: argparse.Namespace) -> int:
     queue = load_app(args.app)
     engine = make_engine(args.url, create=True)
-    queue.create_tables(engine)
+    queue.create_tables(engine, partitioned=args.partitioned)
     names = ", ".join(m.__table__.fullname for m in (queue.job_model, queue.dead_model))  # type: ignore[attr-defined]
     print(f"tables ready: {names}")
     return 0

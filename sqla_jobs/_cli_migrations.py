@@ -71,10 +71,11 @@ def cmd_render(args: argparse.Namespace) -> int:
     if raw:
         engine = make_engine(raw)
         with engine.connect() as conn:
-            result = support.render_revision(queue, args.alembic_ini, connection=conn, message=args.message)
+            result = support.render_revision(queue, args.alembic_ini, connection=conn, message=args.message,
+                                             partitioned=args.partitioned)
         engine.dispose()
     else:
-        result = support.render_revision(queue, args.alembic_ini, message=args.message)
+        result = support.render_revision(queue, args.alembic_ini, message=args.message, partitioned=args.partitioned)
     if result.path is None:
         print("the job tables are up to date: no revision written")
         return 0
@@ -120,6 +121,8 @@ def add_migrations_parser(sub: Any, common: Callable[[argparse.ArgumentParser], 
     p.add_argument("--alembic-ini", default=os.environ.get("ALEMBIC_CONFIG", "alembic.ini"),
                    help="your alembic.ini (default ./alembic.ini, env ALEMBIC_CONFIG)")
     p.add_argument("-m", "--message", help="the revision's message")
+    p.add_argument("--partitioned", action="store_true",
+                   help="PostgreSQL: create the jobs table partitioned (docs/howto/partitioning.md)")
     p.set_defaults(func=cmd_render)
     p = msub.add_parser("init", help="start an alembic project with sqla-jobs wired in")
     p.add_argument("directory", help="folder for env.py and versions/, e.g. migrations")

@@ -52,6 +52,8 @@ log = logging.getLogger("sqla_jobs.worker")
 #: What a failed database step raises (PoolTimeout: handlers hold the whole pool).
 DATABASE_ERRORS = (OperationalError, DBAPIError, PoolTimeout)
 PRUNE_BATCH = 1000
+#: Seconds between two rounds of the table's upkeep on the leader (partitioned PostgreSQL: the coming days).
+UPKEEP_EVERY = 600.0
 #: Seconds between writes of the progress values handlers set (each write is one statement per job).
 PROGRESS_EVERY = 1.0
 #: Least seconds between cancel checks prompted by notifications (a busy enqueuer notifies often).
@@ -80,6 +82,7 @@ class Control:
         self._isolated: Fence | None = None
         self._isolation_wanted = False
         self._next_prune = 0.0
+        self._next_upkeep = 0.0
         self._next_progress = 0.0
         # Per-queue slots: when each queue found empty may be asked again (monotonic time).
         self._empty_until: dict[str, float] = {}
@@ -294,6 +297,9 @@ class Control:
                                 run.job.id, run.job.kind)
         if self.maintenance.renew():  # the elected worker reaps for all (sqla_jobs.leader)
             self.store.reap()
+            if time.monotonic() >= self._next_upkeep:
+                self.store.upkeep()
+                self._next_upkeep = time.monotonic() + UPKEEP_EVERY
 
     def _check_cancels(self, now: float) -> None:
         """A notification came: ask now (not at the next heartbeat) whether a live run was cancelled."""

@@ -239,6 +239,19 @@ class Store:
         hand_back(self.queue, self.engine, self.sql, self.sql.expired,
                   "worker {row.locked_by} stopped heartbeating (lease expired)")
 
+    def upkeep(self) -> None:
+        """The table's own upkeep (``Driver.upkeep``: the coming days' partitions of a partitioned table).
+
+        A failure (the role may not create tables, say) is logged, not raised: the claims go on, and
+        finished jobs land in the DEFAULT partition until a later round works.
+        """
+        try:
+            with self.engine.begin() as conn:
+                self.sql.upkeep(conn)
+        except DBAPIError as exc:
+            log.warning("worker %s: the table's upkeep failed, tried again later: %s",
+                        self.worker_name, str(exc).splitlines()[0])
+
     def prune(self, older_than: float, batch: int) -> int:
         """Delete one batch of old finished jobs (one worker at a time: the driver's prune lock)."""
         deleted = self.queue.prune(self.engine, older_than=older_than, batch_size=batch, max_batches=1)

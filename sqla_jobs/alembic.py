@@ -170,10 +170,10 @@ class Rendered:
     summary: list[str]
 
 
-def _job_metadata(queue: JobQueue[Any, Any]) -> MetaData:
-    """A MetaData holding copies of just the app's two tables (not the rest of the app)."""
+def _job_metadata(queue: JobQueue[Any, Any], partitioned: bool = False) -> MetaData:
+    """A MetaData holding copies of just the app's two tables (the dead-letter one alone when ``partitioned``)."""
     metadata = MetaData()
-    for model in (queue.job_model, queue.dead_model):
+    for model in (queue.dead_model,) if partitioned else (queue.job_model, queue.dead_model):
         original = model.__table__  # type: ignore[attr-defined]
         copy = original.to_metadata(metadata)
         # to_metadata drops Index.ddl_if: give each per-database index its dialects back.
@@ -210,8 +210,9 @@ def _describe(op: ops.MigrateOperation) -> Iterator[str]:
         yield type(op).__name__
 
 
-def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[ops.UpgradeOps, ops.DowngradeOps]:
-    metadata = _job_metadata(queue)
+def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None,
+                   partitioned: bool = False) -> tuple[ops.UpgradeOps, ops.DowngradeOps]:
+    metadata = _job_metadata(queue, partitioned)
     if conn is None:
         # No database to compare with: create everything, as on an empty database.
         upgrade: list[ops.MigrateOperation] = []
@@ -254,12 +255,12 @@ def _migration_ops(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[
     return script.upgrade_ops, script.downgrade_ops
 
 
-def _guarded_indexes(queue: JobQueue[Any, Any]) -> str:
+def _guarded_indexes(queue: JobQueue[Any, Any], partitioned: bool = False) -> str:
     """Upgrade code for the indexes built on some databases only, each under a check of the dialect
     it runs on, so a revision rendered without a database serves every backend (the table's drop
     removes them on downgrade)."""
     code = []
-    for table in _job_metadata(queue).sorted_tables:
+    for table in _job_metadata(queue, partitioned).sorted_tables:
         for index in sorted(table.indexes, key=lambda i: (i.name or "", str(index_dialects(i)))):
             names = index_dialects(index)
             if names is None:
@@ -302,6 +303,19 @@ def _notify_trigger_code(queue: JobQueue[Any, Any], conn: Connection | None) -> 
     return "\n".join(c[0] for c in codes), "\n".join(c[1] for c in codes), [c[2] for c in codes]
 
 
+def _partitioned_code(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[str, str, str]:
+    """The backend's code creating the jobs table partitioned; ConfigError where it cannot be."""
+    table = queue.job_model.__table__  # type: ignore[attr-defined]
+    drivers = [driver_class_of(conn)] if conn is not None else list(registered())
+    codes = [code for code in (d.partitioned_migration(table) for d in drivers) if code is not None]
+    if not codes:
+        raise ConfigError(f"--partitioned: {drivers[0].label} has no partitioned mode (it is PostgreSQL's)")
+    if conn is not None and inspect(conn).has_table(table.name, schema=table.schema):
+        raise ConfigError(f"--partitioned: table {table.fullname!r} exists already; partitioning it is a data "
+                          "migration of its own (see docs/howto/partitioning.md)")
+    return codes[0]
+
+
 def _refuse_second_create(queue: JobQueue[Any, Any], script_dir: ScriptDirectory) -> None:
     """A create-everything revision on top of a history that already creates the tables would fail on upgrade."""
     names = [m.__table__.name for m in (queue.job_model, queue.dead_model)]  # type: ignore[attr-defined]
@@ -321,13 +335,16 @@ def render_revision(
     *,
     connection: Connection | None = None,
     message: str | None = None,
+    partitioned: bool = False,
 ) -> Rendered:
     """Write a revision for ``queue``'s tables into the project of ``alembic_ini``.
 
     With ``connection``, only what that database lacks (or has different) is
     rendered; nothing is written when it is already up to date. Without, the
     revision creates both tables. The revision goes on top of the current
-    head and uses the project's own ``script.py.mako``.
+    head and uses the project's own ``script.py.mako``. ``partitioned``: it
+    creates the jobs table partitioned (PostgreSQL; docs/howto/partitioning.md),
+    and ``connection`` only makes sure there is no jobs table yet.
     """
     ini = Path(alembic_ini)
     if not ini.is_file():
@@ -348,12 +365,16 @@ def render_revision(
             "merge them with `alembic merge heads` first"
         )
     head = heads[0] if heads else None
+    jobs_code = _partitioned_code(queue, connection) if partitioned else None
+    if partitioned:
+        connection = None  # the dead-letter table is created too
     if connection is None:
         _refuse_second_create(queue, script_dir)
-    upgrade, downgrade = _migration_ops(queue, connection)
-    summary = [line for op in upgrade.ops for line in _describe(op)]
+    upgrade, downgrade = _migration_ops(queue, connection, partitioned)
+    summary = [jobs_code[2]] if jobs_code else []
+    summary += [line for op in upgrade.ops for line in _describe(op)]
     if connection is None:  # the per-database indexes _guarded_indexes writes, named like the others
-        summary.extend(sorted({f"create index {ix.name}" for t in _job_metadata(queue).sorted_tables
+        summary.extend(sorted({f"create index {ix.name}" for t in _job_metadata(queue, partitioned).sorted_tables
                                for ix in t.indexes if index_dialects(ix) is not None}))
     trigger = _notify_trigger_code(queue, connection)
     if trigger is not None:
@@ -368,8 +389,10 @@ def render_revision(
     kwargs: dict[str, Any] = {"render_item": render_item, "imports": imports, "migration_context": context}
     upgrades = render_python_code(upgrade, **kwargs) if not upgrade.is_empty() else ""
     if connection is None:
-        upgrades = f"{upgrades}\n{_guarded_indexes(queue)}"
+        upgrades = f"{upgrades}\n{_guarded_indexes(queue, partitioned)}"
     downgrades = render_python_code(downgrade, **kwargs) if not downgrade.is_empty() else ""
+    if jobs_code:  # first up, last down (the template indents the first line of each itself)
+        upgrades, downgrades = f"{jobs_code[0].lstrip()}\n    {upgrades}", f"{downgrades}\n{jobs_code[1]}"
     if trigger is not None:
         # The revision template indents the first line itself; every other line carries its own indent.
         upgrades = f"{upgrades}\n{trigger[0]}" if upgrades else trigger[0].lstrip()

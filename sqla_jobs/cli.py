@@ -228,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("create-tables", help="create the job tables (for apps without alembic)")
     _common(p)
+    p.add_argument("--partitioned", action="store_true",
+                   help="PostgreSQL: partition a new jobs table so finished jobs leave the hot table and "
+                        "retention drops whole days (docs/howto/partitioning.md)")
     p.set_defaults(func=cmd_create_tables)
 
     dead = sub.add_parser("dead", help="inspect, requeue and purge dead-lettered jobs")

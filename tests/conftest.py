@@ -35,6 +35,9 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 #: conformance suite (tests/drivers/) run once per name. A new backend adds its name here and a
 #: branch to ``make_database``; tests/drivers/ checks that every registered driver is listed.
 BACKENDS = ("sqlite", "postgresql", "mariadb")
+#: The driver conformance suite runs on these too: PostgreSQL with a partitioned jobs table
+#: (``create-tables --partitioned``, sqla_jobs/drivers/pg_partitions.py), backend "postgresql".
+MODES = ("postgresql-partitioned",)
 
 
 def _available(server: str) -> str | None:
@@ -74,6 +77,7 @@ class Database:
     url: str  # with the password, for subprocesses
     engine: Engine
     schema: str | None = None
+    partitioned: bool = False  # the jobs table is to be created partitioned (MODES)
 
     def env(self, **extra: str) -> dict[str, str]:
         return {**os.environ, "SQLA_JOBS_URL": self.url, "PYTHONPATH": str(ROOT), **extra}
@@ -131,7 +135,7 @@ def make_database(backend: str, tmp_path: Path) -> Iterator[Database]:
     rendered = url.render_as_string(hide_password=False)
     engine = create_engine(rendered)
     try:
-        yield Database("postgresql", rendered, engine, schema)
+        yield Database("postgresql", rendered, engine, schema, partitioned=backend == "postgresql-partitioned")
     finally:
         engine.dispose()
         with admin.begin() as conn:

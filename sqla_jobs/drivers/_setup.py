@@ -131,6 +131,33 @@ class Setup:
         raise NotImplementedError
         yield url  # pragma: no cover
 
+    def create_partitioned(self, conn: Connection) -> None:
+        """``create`` with the jobs table partitioned so finished jobs leave the hot table
+        (``create-tables --partitioned``); an existing jobs table is left as it is."""
+        raise ConfigError(f"--partitioned: {self.name} has no partitioned mode (it is PostgreSQL's)")
+
+    @classmethod
+    def partitioned_migration(cls, table: Table) -> tuple[str, str, str] | None:
+        """Alembic upgrade and downgrade code creating ``table`` partitioned, and a summary line
+        (``migrations render --partitioned``); None where the backend has no such mode."""
+        return None
+
+    @classmethod
+    def layout_indexes(cls, table_name: str) -> set[str]:
+        """Names of indexes a layout of this backend adds to a jobs table beyond the model's (the alembic
+        comparator leaves them alone): none by default."""
+        return set()
+
+    @classmethod
+    def layout_table(cls, table_name: str, name: str) -> bool:
+        """Whether table ``name`` is one a layout of this backend adds for the jobs table ``table_name``
+        (a partition: alembic's autogenerate leaves it alone); never, by default."""
+        return False
+
+    def upkeep(self, conn: Connection) -> None:
+        """What the maintenance leader does for the table now and then, besides reaping and pruning
+        (partitioned PostgreSQL: make the coming days' partitions); nothing by default."""
+
     def harden(self, engine: Engine, worker_name: str) -> None:
         """Make ``engine``'s connections notice a dead network (nothing by default)."""
 

@@ -15,10 +15,8 @@ keepalives        libpq and server-side TCP settings (``pg_keepalive.py``)
 from __future__ import annotations
 
 import json
-import os
 import zlib
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -33,7 +31,6 @@ from sqlalchemy import (
     Table,
     Text,
     cast,
-    create_engine,
     event,
     func,
     inspect,
@@ -51,13 +48,15 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util import await_only
 
 from ..errors import ConfigError
-from . import pg_keepalive
+from . import pg_keepalive, pg_partitions
 from ._setup import GeneratedColumn
 from ._unique import on_conflict_insert
-from .base import Claimed, Driver, Fence, IndexDefinition
+from .base import Claimed, Fence, IndexDefinition
+from .pg_bench import PgBench
 from .pg_claim import run_claim
 from .pg_listen import PgListener
 from .pg_notify import notify_channel, notify_trigger_ddl, notify_trigger_name, pg_name
+from .pg_partitions import PartitionedMode
 
 __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_trigger_name"]
 
@@ -81,7 +80,7 @@ WITH done AS (
     WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running'
     RETURNING j.id
 ), due AS MATERIALIZED (
-    SELECT id, isolate, priority, run_at FROM {table}
+    SELECT id, isolate, priority, run_at FROM {live}
     WHERE state = 'pending' AND run_at <= now() {queue_filter}{skip_filter}
     ORDER BY priority DESC, run_at, id
     LIMIT %(limit)s
@@ -89,7 +88,7 @@ WITH done AS (
 ), alone AS (
     SELECT id FROM due WHERE isolate AND %(alone)s ORDER BY priority DESC, run_at, id LIMIT 1
 ), claimed AS (
-    UPDATE {table} AS j
+    UPDATE {live} AS j
     SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
         claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
     FROM due WHERE j.id = due.id
@@ -111,8 +110,8 @@ def _stored(element: GeneratedColumn, compiler: Any, **kw: Any) -> str:
     return str(compiler.visit_computed_column(Computed(element.sqltext, persisted=True), **kw))
 
 
-class PostgreSQLDriver(Driver):
-    """PostgreSQL: see the module docstring."""
+class PostgreSQLDriver(PgBench, PartitionedMode):
+    """PostgreSQL: see the module docstring; the partitioned mode's methods are in ``pg_partitions``."""
 
     name = "postgresql"
     label = "PostgreSQL"
@@ -121,12 +120,15 @@ class PostgreSQLDriver(Driver):
     def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
         super().__init__(jobs, dead, dbapi)
         self._channel = notify_channel(jobs)
-        # Four variants: by queue or not, skipping limited kinds or not (the statement without limits
-        # is unchanged: kinds with limits are claimed by drivers/_limits.py in a transaction of their own).
-        self._pg_hot = {(by_queue, skip): _PG_FINISH_AND_CLAIM.format(
-            table=pg_name(jobs), queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else "",
+        # Eight variants: by queue or not; skipping limited kinds or not (the statement without limits
+        # is unchanged: kinds with limits are claimed by drivers/_limits.py in the same transaction);
+        # a plain table or a partitioned one (pg_partitions), claimed from its live partition named
+        # directly: a state filter on the parent would let the planner walk the pending index in the UPDATE.
+        self._pg_hot = {(by_queue, skip, parted): _PG_FINISH_AND_CLAIM.format(
+            table=pg_name(jobs), live=pg_partitions.live_name(jobs) if parted else pg_name(jobs),
+            queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else "",
             skip_filter=" AND kind <> ALL(%(skip)s::text[])" if skip else "",
-        ) for by_queue in (False, True) for skip in (False, True)}
+        ) for by_queue in (False, True) for skip in (False, True) for parted in (False, True)}
 
     @property
     def supports_listen(self) -> bool:
@@ -220,54 +222,7 @@ class PostgreSQLDriver(Driver):
             elements = tuple(f"{e} DESC" if "desc" in sorting.get(e, ()) else str(e) for e in expressions)
             where = (index.get("dialect_options") or {}).get("postgresql_where")
             found[str(index["name"])] = (bool(index.get("unique")), elements, str(where) if where is not None else None)
-        return found
-
-    @classmethod
-    @contextmanager
-    def bench_scratch(cls, url: URL) -> Iterator[URL]:
-        schema = f"sqla_jobs_bench_{os.getpid()}"
-        admin = create_engine(url)
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-        try:
-            yield url.update_query_dict({"options": f"-csearch_path={schema}"})
-        finally:
-            with admin.begin() as conn:
-                conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-            admin.dispose()
-
-    def bench_fill_finished(self, conn: Connection, rows: int) -> None:
-        conn.execute(text(
-            f"INSERT INTO {pg_name(self.jobs)} (kind, queue, payload, state, attempts, locked_at, finished_at) "
-            "SELECT 'noop', 'default', '{}'::jsonb, 'finished', 1, now() - interval '1 day', "
-            "now() - interval '1 day' FROM generate_series(1, :n)"
-        ), {"n": rows})
-        conn.execute(text(f"ANALYZE {pg_name(self.jobs)}"))
-
-    def bench_table_stats(self, conn: Connection) -> dict[str, float]:
-        # The statistics collector's counters reach pg_stat_user_tables within a second or so.
-        row = conn.execute(text(
-            "SELECT pg_relation_size(s.relid) AS table_bytes, pg_indexes_size(s.relid) AS index_bytes, "
-            "s.n_live_tup AS live_tuples, s.n_dead_tup AS dead_tuples, "
-            "s.n_tup_hot_upd::float8 / NULLIF(s.n_tup_upd, 0) AS hot_update_share, "
-            "s.autovacuum_count, s.autoanalyze_count, s.vacuum_count, s.n_tup_upd AS updates, "
-            "(current_setting('autovacuum') = 'on')::int AS autovacuum_on "
-            "FROM pg_stat_user_tables AS s WHERE s.relid = to_regclass(:target)"
-        ), {"target": pg_name(self.jobs)}).mappings().first()
-        return {k: float(v) for k, v in row.items() if v is not None} if row else {}
-
-    def bench_vacuum(self, conn: Connection) -> None:
-        conn.execute(text(f"VACUUM {pg_name(self.jobs)}"))
-
-    def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
-        preparer = postgresql.dialect().identifier_preparer
-        settings = []
-        for name, value in parameters.items():
-            if not name.replace("_", "").isalnum() or not value.replace(".", "").replace("_", "").isalnum():
-                raise ConfigError(f"--storage: {name}={value} is not a storage parameter (e.g. fillfactor=70)")
-            settings.append(f"{preparer.quote(name)} = {value}")
-        conn.execute(text(f"ALTER TABLE {pg_name(self.jobs)} SET ({', '.join(settings)})"))
+        return pg_partitions.as_the_model_has_them(conn, schema, table, found, cls.reflect_indexes)
 
     def harden(self, engine: Engine, worker_name: str) -> None:
         pg_keepalive.harden(engine, worker_name)  # keepalives, timeouts, application_name
@@ -348,7 +303,7 @@ class PostgreSQLDriver(Driver):
         # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
         # result machinery was a fifth of the worker's time. Errors are wrapped
         # back into SQLAlchemy's, which is what the worker's retry loop expects.
-        sql = self._pg_hot[bool(queues), bool(skip_kinds)]
+        sql = self._pg_hot[bool(queues), bool(skip_kinds), pg_partitions.is_partitioned(conn, self.jobs)]
         if not conn.in_transaction():
             # SQLAlchemy does not see what the driver cursor runs: without this its commit
             # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
@@ -405,6 +360,8 @@ class PostgreSQLDriver(Driver):
         return cast(literal(text, Text()), JSONB())
 
     def insert_unique(self, conn: Connection, row: dict[str, Any]) -> int | None:
+        if pg_partitions.is_partitioned(conn, self.jobs):  # no unique index on the parent to conflict on
+            return pg_partitions.insert_unique(self, conn, row)
         return on_conflict_insert(self, conn, row, postgresql.insert)
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:

@@ -22,7 +22,7 @@ from sqlalchemy import Connection, select, update
 from sqla_jobs.drivers import Driver
 from sqla_jobs.drivers.base import Claimed
 from tests import app
-from tests.conftest import BACKENDS, Database, make_database
+from tests.conftest import BACKENDS, MODES, Database, make_database
 
 
 @dataclass
@@ -78,10 +78,10 @@ class Backend:
         return self.scalar(self.driver.now())  # type: ignore[no-any-return]
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=BACKENDS + MODES)
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Backend]:
     for database in make_database(request.param, tmp_path):
-        app.queue.create_tables(database.engine)
+        app.queue.create_tables(database.engine, partitioned=database.partitioned)
         yield Backend(database, app.queue.driver(database.engine))
 
 
