@@ -81,6 +81,7 @@ from ._periodic import Scheduler
 from ._store import Store
 from ._worker_config import WorkerConfig, check_pool, split_queues
 from .drivers.base import Driver
+from .errors import ConfigError
 from .leader import Leadership
 
 __all__ = ["Worker"]
@@ -177,6 +178,10 @@ class Worker:
         the worker gracefully and a second one exits at once; the handlers that
         were there before are restored when ``run`` returns.
         """
+        for handler in self.queue.handlers.values():
+            if handler.transactional and handler.is_async:
+                raise ConfigError(f"handler {handler.kind!r} is async and transactional: its session is an "
+                                  "AsyncSession, so run it with AsyncWorker (sqla-jobs worker --async)")
         had_signals = _signals.current() is not None
         signals = _signals.stop_signals() if install_signals else None
         try:
