@@ -18,9 +18,10 @@ run executes (``_dispatch`` starts a task instead of queueing for a thread):
   (``current_job().session``) whose transaction also finishes the job, fenced by
   the claim token, exactly as a sync one does (``Executor._execute_in_transaction``):
   its writes and the job's completion commit together or not at all;
-* a transactional plain handler runs that same sync code in a greenlet on the
-  loop (SQLAlchemy's bridge: its statements are awaited on the async driver),
-  so it must not block on anything but the database.
+* a transactional plain handler runs as under the threaded worker, on the
+  thread pool, in a ``Session`` of a sync engine on the same database (the
+  async URL's sync twin, ``Driver.sync_url``: a thread cannot use the loop's
+  connections), made by ``AsyncWorker`` only for apps that have such handlers.
 
 Every statement is still the driver's: the sync driver methods run on the
 connection behind the ``AsyncSession`` through ``run_sync``.
@@ -35,8 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
-from sqlalchemy.util import greenlet_spawn
 
 from ._app import JobEvent, JobQueue
 from ._context import _current
@@ -58,8 +59,9 @@ class AsyncExecutor(Executor):
 
     def __init__(self, engine: AsyncEngine, queue: JobQueue[Any, Any], sql: Driver, concurrency: int,
                  worker_name: str, database: DatabaseKey, wake: AsyncWake, loop: asyncio.AbstractEventLoop, *,
-                 count_queues: bool = False) -> None:
-        super().__init__(engine.sync_engine, queue, sql, concurrency, worker_name, database,
+                 sync_engine: Engine | None = None, count_queues: bool = False) -> None:
+        # ``sync_engine``: the plain transactional handlers' (``Executor._execute_in_transaction`` uses it).
+        super().__init__(sync_engine or engine.sync_engine, queue, sql, concurrency, worker_name, database,
                          wake, count_queues=count_queues)  # type: ignore[arg-type]  # Event's three methods
         self.async_engine = engine
         self._loop = loop
@@ -117,7 +119,8 @@ class AsyncExecutor(Executor):
                     if handler.is_async:
                         await self._execute_in_async_transaction(run)
                     else:
-                        await greenlet_spawn(self._execute_in_transaction, run)
+                        call = contextvars.copy_context().run
+                        await self._loop.run_in_executor(self._thread_pool(), call, self._execute_in_transaction, run)
                     return outcome("committed")
                 if handler.is_async:
                     value = await asyncio.wait_for(handler.fn(job.payload), handler.timeout)

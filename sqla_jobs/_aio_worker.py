@@ -39,6 +39,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from sqlalchemy import Engine, create_engine
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from . import _signals
@@ -49,6 +50,7 @@ from ._maintenance import Maintenance
 from ._outage import database_key
 from ._store import Store
 from ._worker_config import WorkerConfig, check_pool, split_queues
+from .drivers import driver_class
 from .drivers.base import Driver
 from .errors import ConfigError
 from .leader import Leadership
@@ -200,15 +202,11 @@ class AsyncWorker:
         gracefully, a second one exits at once. Off by default: inside an app,
         its server owns the signals and ends the worker by cancelling it.
         """
-        for handler in self.queue.handlers.values():
-            if handler.transactional and not handler.is_async:
-                log.warning("worker %s: handler %r is transactional but not async: under AsyncWorker its code "
-                            "runs on the event loop, so it must not block on anything but the database",
-                            self.name, handler.kind)
         loop = asyncio.get_running_loop()
         self._wake = wake = AsyncWake(loop)
+        sync_engine = self._sync_engine()
         executor = AsyncExecutor(self.engine, self.queue, self.sql, self.config.concurrency, self.name,
-                                 database_key(self.engine.url), wake, loop,
+                                 database_key(self.engine.url), wake, loop, sync_engine=sync_engine,
                                  count_queues=self.config.slots is not None)
         self._control = control = Control(self.config, self._store, executor, wake,  # type: ignore[arg-type]
                                           self._maintenance)
@@ -229,8 +227,21 @@ class AsyncWorker:
         finally:
             if signals is not None and not had_signals:
                 _signals.release_stop_signals()
+            if sync_engine is not None:
+                sync_engine.dispose()
         log.info("worker %s stopped after %d job attempts", self.name, self.processed)
         return 0
+
+    def _sync_engine(self) -> Engine | None:
+        """For plain transactional handlers (they run on threads, which cannot use the loop's connections):
+        an engine on the same database through the sync twin of the async driver; None if the app has none."""
+        if not any(h.transactional and not h.is_async for h in self.queue.handlers.values()):
+            return None
+        url, connect_args = driver_class(self.engine.url.get_backend_name()).connect_args(
+            self.sql.sync_url(self.engine.url))
+        engine = create_engine(url, connect_args=connect_args, pool_size=self.config.pool_size)
+        self.sql.harden(engine, self.name)
+        return engine
 
     def _run_in_greenlet(self, burst: bool, executor: AsyncExecutor, signals: _signals.StopSignals | None) -> None:
         """``Worker.run``'s body: every database call in it is awaited on the loop (see the module docstring)."""

@@ -43,7 +43,7 @@ from ._context import JobContext, _current
 from ._outage import DatabaseKey, watch
 from ._payload import encode_value
 from .drivers.base import Claimed, Driver, Fence
-from .errors import InvalidJob, JobCancel, JobSnooze
+from .errors import ConfigError, InvalidJob, JobCancel, JobSnooze
 
 __all__ = ["Executor", "Outcome", "Run"]
 
@@ -310,6 +310,9 @@ class Executor:
         try:
             with watch() as dropped:
                 if handler.transactional:
+                    if handler.is_async:  # its session is an AsyncSession: only AsyncWorker has one
+                        raise ConfigError(f"handler {job.kind!r} is async and transactional: "
+                                          "run it with AsyncWorker (sqla-jobs worker --async)")
                     self._execute_in_transaction(run)
                     return outcome("committed")
                 if handler.is_async:

@@ -81,7 +81,6 @@ from ._periodic import Scheduler
 from ._store import Store
 from ._worker_config import WorkerConfig, check_pool, split_queues
 from .drivers.base import Driver
-from .errors import ConfigError
 from .leader import Leadership
 
 __all__ = ["Worker"]
@@ -180,8 +179,8 @@ class Worker:
         """
         for handler in self.queue.handlers.values():
             if handler.transactional and handler.is_async:
-                raise ConfigError(f"handler {handler.kind!r} is async and transactional: its session is an "
-                                  "AsyncSession, so run it with AsyncWorker (sqla-jobs worker --async)")
+                log.warning("worker %s: handler %r is async and transactional: its jobs fail here, run them "
+                            "with AsyncWorker (sqla-jobs worker --async)", self.name, handler.kind)
         had_signals = _signals.current() is not None
         signals = _signals.stop_signals() if install_signals else None
         try:

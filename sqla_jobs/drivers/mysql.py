@@ -108,6 +108,7 @@ class MySQLDriver(Driver):
     name = "mariadb"
     label = "MariaDB/MySQL"
     url_aliases = ("mysql",)
+    async_drivers = (("mysql+pymysql", "mysql+aiomysql"), ("mariadb+pymysql", "mariadb+aiomysql"))
 
     # -- class level ---------------------------------------------------------------
 
