@@ -175,7 +175,6 @@ class AsyncWorker:
         self.concurrency = config.concurrency
         self.listen = config.listen and self.sql.supports_listen
         check_pool(sync_engine, config)
-        self.sql.harden(sync_engine, self.name)  # keepalives, timeouts, application_name: see the driver
         self._store = Store(sync_engine, queue, self.sql, self.name, config.lease, config.queues)
         self._maintenance = Maintenance(None)  # run() elects, unless burst or leader=False
         self._control: Control | None = None
@@ -247,6 +246,9 @@ class AsyncWorker:
         """``Worker.run``'s body: every database call in it is awaited on the loop (see the module docstring)."""
         control = self._control
         assert control is not None
+        # Keepalives, timeouts, application_name (see the driver); here, as it closes the idle pooled
+        # connections, and an async driver's connection closes only by awaiting.
+        self.sql.harden(self._store.engine, self.name)
         self._store.prepare(False, self.config.poll_interval)
         if self.config.leader and not burst:  # a burst worker keeps its own upkeep: it is gone soon
             self._maintenance.leadership = Leadership(self._store.engine, self.queue, self.name,
