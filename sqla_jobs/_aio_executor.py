@@ -30,9 +30,12 @@ connection behind the ``AsyncSession`` through ``run_sync``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
+import queue as stdlib_queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -65,16 +68,19 @@ class AsyncExecutor(Executor):
                          wake, count_queues=count_queues)  # type: ignore[arg-type]  # Event's three methods
         self.async_engine = engine
         self._loop = loop
-        self._pool: ThreadPoolExecutor | None = None  # for plain handlers, made on first use
+        # Plain handlers' threads, started on demand up to ``concurrency``; the calls they take.
+        self._calls: stdlib_queue.SimpleQueue[Any] = stdlib_queue.SimpleQueue()
+        self._idle = 0  # threads waiting for a call, or started for one and not yet waiting
+        self._idle_lock = threading.Lock()
         self._tasks: set[asyncio.Task[Outcome]] = set()  # a strong reference: the loop keeps only weak ones
 
     def start(self) -> None:
         """Nothing to start: a task is made per run."""
 
     def shutdown(self) -> None:
-        """Let the pool's threads end once their handlers return (a thread cannot be stopped)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+        """Let idle handler threads end (one still in a handler ends when it returns)."""
+        for _ in self._threads:
+            self._calls.put(None)
 
     def has_outcomes(self) -> bool:
         return not self._done.empty()
@@ -119,25 +125,54 @@ class AsyncExecutor(Executor):
                     if handler.is_async:
                         await self._execute_in_async_transaction(run)
                     else:
-                        call = contextvars.copy_context().run
-                        await self._loop.run_in_executor(self._thread_pool(), call, self._execute_in_transaction, run)
+                        await self._in_thread(self._execute_in_transaction, run)
                     return outcome("committed")
                 if handler.is_async:
                     value = await asyncio.wait_for(handler.fn(job.payload), handler.timeout)
                 else:
-                    # The thread runs in a copy of this context: current_job(), and the outage watch.
-                    call = contextvars.copy_context().run
-                    value = await self._loop.run_in_executor(self._thread_pool(), call, handler.fn, job.payload)
+                    value = await self._in_thread(handler.fn, job.payload)
             if value is None and not self.progress and not run.cancel_requested:
                 return Outcome(job, "ok", time.monotonic() - started)  # the common case, kept short
             return self._succeeded(run, outcome("ok"), value)
         except BaseException as exc:
             return self._raised(run, exc, dropped, outcome)
 
-    def _thread_pool(self) -> ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="sqla-jobs-handler")
-        return self._pool
+    def _in_thread(self, fn: Callable[..., Any], arg: Any) -> asyncio.Future[Any]:
+        """``fn(arg)`` on one of the handler threads, in a copy of this task's context (``current_job()``
+        and the outage watch); a future of its result."""
+        future = self._loop.create_future()
+        self._calls.put((contextvars.copy_context(), fn, arg, future))
+        with self._idle_lock:
+            start = self._idle < self._calls.qsize() and len(self._threads) < self.concurrency
+            if start:
+                self._idle += 1  # counted now, so the next call does not start another for this one
+        if start:
+            thread = threading.Thread(target=self._handler_thread, daemon=True, name="sqla-jobs-handler")
+            self._threads.append(thread)
+            thread.start()
+        return future
+
+    def _handler_thread(self) -> None:
+        """Daemon threads, as the threaded worker's: a handler still running when the worker has
+        stopped (given back after the grace period) must not keep the process from exiting."""
+        first = True
+        while True:
+            if not first:
+                with self._idle_lock:
+                    self._idle += 1
+            first = False
+            item = self._calls.get()
+            with self._idle_lock:
+                self._idle -= 1
+            if item is None:
+                return
+            context, fn, arg, future = item
+            try:
+                result, error = context.run(fn, arg), None
+            except BaseException as exc:
+                result, error = None, exc
+            with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits for it any more
+                self._loop.call_soon_threadsafe(_settle, future, result, error)
 
     async def _execute_in_async_transaction(self, run: Run) -> None:
         """The handler's writes through its ``AsyncSession`` and the job's completion commit together."""
@@ -173,3 +208,12 @@ class AsyncExecutor(Executor):
         if result is not None or progress is not None:
             self.sql.set_results(conn, [(fence, result, progress)])
         return bool(self.sql.finish(conn, [fence]))
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # its task was cancelled meanwhile
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
