@@ -177,10 +177,6 @@ class Worker:
         the worker gracefully and a second one exits at once; the handlers that
         were there before are restored when ``run`` returns.
         """
-        for handler in self.queue.handlers.values():
-            if handler.transactional and handler.is_async:
-                log.warning("worker %s: handler %r is async and transactional: its jobs fail here, run them "
-                            "with AsyncWorker (sqla-jobs worker --async)", self.name, handler.kind)
         had_signals = _signals.current() is not None
         signals = _signals.stop_signals() if install_signals else None
         try:
