@@ -12,7 +12,11 @@ worker too (tests/reliability, the ``flavour`` fixture).
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
@@ -23,7 +27,7 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import AsyncWorker, ConfigError, JobEvent
 from tests import app
-from tests.conftest import Database
+from tests.conftest import ROOT, Database
 
 T = TypeVar("T")
 queue = app.queue
@@ -188,3 +192,17 @@ def test_a_threaded_worker_fails_async_transactional_jobs_saying_which_worker_ru
         dead = session.get(app.DeadJob, job)
     assert dead is not None and "AsyncWorker" in (dead.last_error or "")
     assert once_rows(db) == set()
+
+
+def test_the_fastapi_recipe_runs_end_to_end_on_postgresql(pg: Database, tmp_path: Path) -> None:
+    """docs/howto/fastapi.md as printed, on psycopg's async driver (the doc test runs it on aiosqlite)."""
+    from tests.test_docs import blocks
+
+    python = [body for lang, body in blocks("howto/fastapi.md") if lang == "python"]
+    (tmp_path / "shop.py").write_text(python[0])
+    (tmp_path / "main.py").write_text("\n".join(python[1:]))
+    env = {**os.environ, "SHOP_DB": pg.url, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "receipt sent" in result.stdout
