@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine
+from sqlalchemy.pool import NullPool
 from sqlalchemy.util import await_only, greenlet_spawn
 
 from . import _signals
@@ -236,9 +237,14 @@ class AsyncWorker:
         an engine on the same database through the sync twin of the async driver; None if the app has none."""
         if not any(h.transactional and not h.is_async for h in self.queue.handlers.values()):
             return None
+        return self._twin_engine(pool=True)
+
+    def _twin_engine(self, pool: bool) -> Engine:
+        """An engine on this worker's database through the sync twin of its async driver, hardened."""
         url, connect_args = driver_class(self.engine.url.get_backend_name()).connect_args(
             self.sql.sync_url(self.engine.url))
-        engine = create_engine(url, connect_args=connect_args, pool_size=self.config.pool_size)
+        sizing: dict[str, Any] = {"pool_size": self.config.pool_size} if pool else {"poolclass": NullPool}
+        engine = create_engine(url, connect_args=connect_args, **sizing)
         self.sql.harden(engine, self.name)
         return engine
 
@@ -249,7 +255,7 @@ class AsyncWorker:
         # Keepalives, timeouts, application_name (see the driver); here, as it closes the idle pooled
         # connections, and an async driver's connection closes only by awaiting.
         self.sql.harden(self._store.engine, self.name)
-        self._store.prepare(False, self.config.poll_interval)
+        self._store.prepare(self.listen, self.config.poll_interval)
         if self.config.leader and not burst:  # a burst worker keeps its own upkeep: it is gone soon
             self._maintenance.leadership = Leadership(self._store.engine, self.queue, self.name,
                                                       lease=self.config.lease)
@@ -258,12 +264,23 @@ class AsyncWorker:
         if self.queue.schedules and not burst:
             log.warning("worker %s: periodic jobs are enqueued by threaded workers only (sqla-jobs worker "
                         "without --async); this worker runs them once enqueued", self.name)
+        # LISTEN (PostgreSQL): the threaded worker's listener thread, on a connection of the sync twin
+        # driver (a thread cannot use the loop's connections); it wakes the loop through AsyncWake.
+        listen_engine = self._twin_engine(pool=False) if self.listen else None
+        listener = (self.sql.listener(listen_engine, control.wake_from_database, self.name)
+                    if listen_engine is not None else None)
+        if listener is not None:
+            listener.start()
         slots = self.config.slots
         log.info("worker %s started (async): concurrency %d%s, lease %gs", self.name, self.concurrency,
                  f" ({', '.join(f'{q}={n}' for q, n in slots.items())})" if slots else "", self.config.lease)
         try:
             control.run(burst)
         finally:
+            if listener is not None:
+                listener.stop()
+            if listen_engine is not None:
+                listen_engine.dispose()
             self._maintenance.resign()  # the next worker takes the upkeep over at once
             self._store.close()
             executor.shutdown()

@@ -206,3 +206,21 @@ def test_the_fastapi_recipe_runs_end_to_end_on_postgresql(pg: Database, tmp_path
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert "receipt sent" in result.stdout
+
+
+def test_on_postgresql_a_notify_wakes_the_async_worker_long_before_its_poll(pg: Database) -> None:
+    async def scenario(engine: AsyncEngine) -> float:
+        # Idle, its next poll and heartbeat are a minute away (a heartbeat also ends the wait).
+        worker = AsyncWorker(engine, queue, concurrency=2, poll_interval=60, lease=300, heartbeat=60)
+        task = asyncio.create_task(worker.run())
+        await asyncio.sleep(1.0)
+        [job] = await asyncio.to_thread(enqueue, pg, ("async_record", {}, 1))
+        started = asyncio.get_running_loop().time()
+        while states(pg)[job][0] != "finished":
+            assert asyncio.get_running_loop().time() - started < 10, "not woken by the NOTIFY"
+            await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        return asyncio.get_running_loop().time() - started
+
+    assert run(pg, scenario) < 10
