@@ -290,6 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="soak-results", metavar="DIR",
                    help="with --soak: where soak.json, soak.csv and soak.png go")
     _json_flag(p, "the figures")
+    p.add_argument("--async", dest="use_async", action="store_true",
+                   help="measure the async worker (sqla-jobs worker --async) with async def no-op handlers")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
     _common(p)
