@@ -18,10 +18,14 @@ threads and the database connection (docs/development.md, "The worker's parts"):
   driver is awaited on the async driver, so handler tasks run whenever the loop
   waits on the database, and the loop's sleep (``AsyncWake.wait``) awaits too;
 * ``_aio_executor.AsyncExecutor`` runs each job as a task (``async def``
-  handlers natively, plain ones on a thread pool), with timeouts, cancel
+  handlers natively, plain ones on threads), with timeouts, cancel
   requests and lost leases delivered by cancelling the task;
 * the wake-up is ``AsyncWake``, an event the control greenlet awaits and any
-  thread (PostgreSQL's LISTEN, a signal handler) can set.
+  thread (PostgreSQL's LISTEN, a signal handler) can set;
+* what runs on threads of its own (the LISTEN connection, the periodic-jobs
+  scheduler, plain transactional handlers) uses an engine through the sync twin
+  of the async driver (``Driver.sync_url``): a thread cannot use the loop's
+  connections.
 
 So heartbeats, leases, fencing, the reaper and the maintenance leader, retry
 backoff, dead letters, poison isolation, hooks and metrics are the threaded
@@ -49,6 +53,7 @@ from ._app import JobQueue
 from ._control import Control
 from ._maintenance import Maintenance
 from ._outage import database_key
+from ._periodic import Scheduler
 from ._store import Store
 from ._worker_config import WorkerConfig, check_pool, split_queues
 from .drivers import driver_class
@@ -261,9 +266,12 @@ class AsyncWorker:
                                                       lease=self.config.lease)
         if signals is not None:
             signals.attach(f"worker {self.name}", self.stop)
-        if self.queue.schedules and not burst:
-            log.warning("worker %s: periodic jobs are enqueued by threaded workers only (sqla-jobs worker "
-                        "without --async); this worker runs them once enqueued", self.name)
+        # The app's periodic jobs, as Worker.run does: the scheduler's thread on a sync twin engine.
+        schedule_engine = self._twin_engine(pool=False) if self.queue.schedules and not burst else None
+        scheduler = (Scheduler(self.queue, schedule_engine, prune_after=self.config.prune_after)
+                     if schedule_engine is not None else None)
+        if scheduler is not None:
+            scheduler.start()
         # LISTEN (PostgreSQL): the threaded worker's listener thread, on a connection of the sync twin
         # driver (a thread cannot use the loop's connections); it wakes the loop through AsyncWake.
         listen_engine = self._twin_engine(pool=False) if self.listen else None
@@ -277,6 +285,10 @@ class AsyncWorker:
         try:
             control.run(burst)
         finally:
+            if scheduler is not None:
+                scheduler.stop()  # joins its thread: a blocking wait, but at most one enqueue long
+            if schedule_engine is not None:
+                schedule_engine.dispose()
             if listener is not None:
                 listener.stop()
             if listen_engine is not None:

@@ -224,3 +224,15 @@ def test_on_postgresql_a_notify_wakes_the_async_worker_long_before_its_poll(pg: 
         return asyncio.get_running_loop().time() - started
 
     assert run(pg, scenario) < 10
+
+
+def test_the_cli_picks_the_async_worker_for_an_async_url(db: Database) -> None:
+    from tests.conftest import run_cli
+
+    ids = enqueue(db, ("async_once", {}, 1), ("async_record", {}, 1), ("once", {}, 1))
+    url = queue.driver(db.engine).async_url(make_url(db.url)).render_as_string(hide_password=False)
+    result = run_cli("worker", "--burst", "--app", "tests.app:queue", "--url", url, env=db.env())
+    assert result.returncode == 0, result.stderr
+    assert "started (async)" in result.stderr
+    assert [states(db)[i] for i in ids] == [("finished", 1)] * 3
+    assert once_rows(db) == {ids[0], ids[2]}  # through its AsyncSession, and the plain one's Session
