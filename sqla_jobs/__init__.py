@@ -5,6 +5,7 @@ by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 """
 
 from ._aio import AsyncAdmin
+from ._aio_worker import AsyncWorker
 from ._app import JobEvent, JobQueue
 from ._backoff import Backoff
 from ._context import JobContext, current_job
@@ -33,6 +34,7 @@ __all__ = [
     "MAX_PAYLOAD_BYTES",
     "MAX_PAYLOAD_DEPTH",
     "AsyncAdmin",
+    "AsyncWorker",
     "Backoff",
     "ConfigError",
     "ConnectionProblem",

@@ -24,6 +24,10 @@ measures, each ``--runs`` times, reporting the median:
   starting, over ``--latency-samples`` jobs (p50 / p95 / p99);
 * the worker processes' memory: RSS when idle, after the drain, and peak.
 
+``--async`` measures the AsyncWorker instead (``sqla-jobs worker --async``): the
+drain's jobs and the pickup's are ``async def`` no-ops, and ``--concurrency`` is
+how many run at once on each process's event loop.
+
 ``--finished-rows N`` first fills the table with N finished jobs, to see how
 the drain rate holds up before pruning. ``--json`` prints machine-readable results.
 """
@@ -31,6 +35,7 @@ the drain rate holds up before pruning. ``--json`` prints machine-readable resul
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import json
@@ -39,15 +44,17 @@ import statistics
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import Engine, Integer, MetaData, String, create_engine, func, select, text
 from sqlalchemy.engine import URL
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, registry
 
+from ._aio_worker import AsyncWorker
 from ._app import JobQueue
 from ._backoff import Backoff
-from ._bootstrap import database_url, make_engine, missing_database
+from ._bootstrap import database_url, make_async_engine, make_engine, missing_database
 from ._models import DeadJobMixin, JobMixin
 from ._worker import Worker
 from ._worker_config import WorkerConfig
@@ -98,6 +105,17 @@ def noop(payload: dict[str, Any]) -> None:
 
 @queue.handler("ping")
 def ping(payload: dict[str, Any]) -> None:
+    _picked_up[payload["n"]] = time.perf_counter()
+    _picked_event.set()
+
+
+@queue.handler("async_noop")
+async def async_noop(payload: dict[str, Any]) -> None:
+    pass
+
+
+@queue.handler("async_ping")
+async def async_ping(payload: dict[str, Any]) -> None:
     _picked_up[payload["n"]] = time.perf_counter()
     _picked_event.set()
 
@@ -206,14 +224,25 @@ def enqueue_fast(engine: Engine, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int) -> None:
+def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int, asynchronous: bool = False) -> None:
     import logging
 
     logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size)  # checked, and sizes the pool
     engine = create_engine(url, pool_size=config.pool_size)
     poll = 0.5 if queue.driver(engine).supports_listen else 0.02  # without LISTEN a worker polls
-    worker = Worker._from_config(engine, queue, dataclasses.replace(config, poll_interval=poll))
+    config = dataclasses.replace(config, poll_interval=poll)
+    if asynchronous:  # AsyncWorker on the backend's async driver, as `sqla-jobs worker --async` runs it
+        engine.dispose()
+
+        async def main() -> None:
+            async_engine = await make_async_engine(url, pool_size=config.pool_size)
+            ready.set()
+            await AsyncWorker._from_config(async_engine, queue, config).run(install_signals=True)
+
+        asyncio.run(main())
+        return
+    worker = Worker._from_config(engine, queue, config)
     ready.set()
     worker.run()
 
@@ -231,13 +260,14 @@ def _rss_mb(pid: int | None, field: str = "VmRSS") -> float:
 
 
 def drain(
-    url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int
+    url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int, asynchronous: bool = False
 ) -> tuple[float, float, float, float]:
     """Jobs/s, and the workers' largest RSS (MB): idle before, after, and peak during the drain."""
     ctx = mp.get_context("spawn")
     readies = [ctx.Event() for _ in range(processes)]
     rendered = url.render_as_string(hide_password=False)
-    procs = [ctx.Process(target=_worker_main, args=(rendered, concurrency, r, batch_size)) for r in readies]
+    procs = [ctx.Process(target=_worker_main, args=(rendered, concurrency, r, batch_size, asynchronous))
+             for r in readies]
     for p in procs:
         p.start()
     for r in readies:
@@ -245,7 +275,8 @@ def drain(
     time.sleep(0.5)  # let them reach their idle wait
     idle_rss = max(_rss_mb(p.pid) for p in procs)
     with Session(engine) as session, session.begin():
-        queue.enqueue_many(session, ({"kind": "noop", "payload": {}} for _ in range(n)))
+        kind = "async_noop" if asynchronous else "noop"
+        queue.enqueue_many(session, ({"kind": kind, "payload": {}} for _ in range(n)))
     start = time.perf_counter()
     while _count_unfinished(engine):
         time.sleep(0.02)
@@ -260,25 +291,44 @@ def drain(
     return n / elapsed, idle_rss, after_rss, peak_rss
 
 
-def pickup_latency(engine: Engine, samples: int) -> list[float]:
-    """Milliseconds from the commit of a job to its handler starting, with an idle in-process worker."""
+def pickup_latency(engine: Engine, samples: int, asynchronous: bool = False) -> list[float]:
+    """Milliseconds from the commit of a job to its handler starting, with an idle in-process worker
+    (with ``asynchronous``, an AsyncWorker on its own event loop in a thread)."""
     # SQLite has no NOTIFY: the figure there is the polling interval's doing.
     poll = 1.0 if queue.driver(engine).supports_listen else 0.05
-    worker = Worker(engine, queue, concurrency=1, poll_interval=poll)
-    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
-    thread.start()
+    stop: Callable[[], None]
+    if asynchronous:
+        started = threading.Event()
+        holder: list[AsyncWorker] = []
+
+        async def main() -> None:
+            async_engine = await make_async_engine(engine.url.render_as_string(hide_password=False))
+            holder.append(AsyncWorker(async_engine, queue, concurrency=1, poll_interval=poll))
+            started.set()
+            await holder[0].run()
+            await async_engine.dispose()
+
+        thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+        thread.start()
+        started.wait(30)
+        stop = holder[0].stop
+    else:
+        worker = Worker(engine, queue, concurrency=1, poll_interval=poll)
+        thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+        thread.start()
+        stop = worker.stop
     time.sleep(1.0)
     latencies = []
     for i in range(samples):
         _picked_event.clear()
         with Session(engine) as session, session.begin():
-            session.add(BenchJob(kind="ping", payload={"n": i}))
+            session.add(BenchJob(kind="async_ping" if asynchronous else "ping", payload={"n": i}))
         committed = time.perf_counter()
         if not _picked_event.wait(10):
             raise RuntimeError("a job was not picked up within 10 s")
         latencies.append((_picked_up[i] - committed) * 1000)
         time.sleep(0.01)
-    worker.stop()
+    stop()
     thread.join(30)
     return latencies
 
@@ -319,7 +369,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 _fill_finished(engine, args.finished_rows)
             finished_before = _count_finished(engine)
             rate, idle_rss, after_rss, peak_rss = drain(
-                bench_url, engine, args.jobs, args.concurrency, args.processes, args.batch_size
+                bench_url, engine, args.jobs, args.concurrency, args.processes, args.batch_size,
+                getattr(args, "use_async", False),
             )
             assert _count_finished(engine) - finished_before == args.jobs
             record("drain (jobs/s)", rate)
@@ -328,7 +379,7 @@ def run_bench(args: argparse.Namespace) -> int:
             record("worker peak RSS (MB)", peak_rss)
             if not args.finished_rows:
                 _reset(engine)
-                lat = pickup_latency(engine, args.latency_samples)
+                lat = pickup_latency(engine, args.latency_samples, getattr(args, "use_async", False))
                 record("pickup p50 (ms)", _pct(lat, 50))
                 record("pickup p95 (ms)", _pct(lat, 95))
                 record("pickup p99 (ms)", _pct(lat, 99))
@@ -349,8 +400,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"settings": vars_of(args), "medians": summary, "runs": results}, indent=2))
     else:
-        print(f"\nsqla-jobs bench on {url.get_backend_name()}: {args.jobs} jobs, {args.processes} process(es) x "
-              f"{args.concurrency} threads, batch {args.batch_size}, median of {args.runs} run(s)")
+        flavour = "async worker, async no-op handlers" if getattr(args, "use_async", False) else "threaded worker"
+        print(f"\nsqla-jobs bench on {url.get_backend_name()} ({flavour}): {args.jobs} jobs, {args.processes} "
+              f"process(es) x {args.concurrency} threads, batch {args.batch_size}, median of {args.runs} run(s)")
         for name, value in summary.items():
             print(f"  {name:<45} {value:>12,.2f}")
     return 0

@@ -23,7 +23,8 @@ from ._app import JobQueue
 from .drivers import driver_class, normalise_url
 from .errors import ConfigError, ConnectionProblem, SchemaError
 
-__all__ = ["database_url", "load_app", "make_engine", "missing_database", "worker_pool_size"]
+__all__ = ["database_url", "is_async_url", "load_app", "make_async_engine", "make_engine", "missing_database",
+           "sync_twin", "worker_pool_size"]
 
 
 def load_app(spec: str | None) -> JobQueue[Any, Any]:
@@ -114,6 +115,50 @@ def make_engine(raw: str | None, pool_size: int | None = None, *, create: bool =
         with engine.connect() as conn:
             conn.execute(select(1))
     except DBAPIError as exc:
+        first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
+        raise ConnectionProblem(f"cannot reach the database at {url.render_as_string()}: {first}") from None
+    return engine
+
+
+def is_async_url(raw: str | None) -> bool:
+    """Whether ``--url`` names an async DBAPI driver (``postgresql+psycopg_async``, ``sqlite+aiosqlite``)."""
+    url = database_url(raw)
+    try:
+        return bool(url.get_dialect().is_async)
+    except (NoSuchModuleError, ImportError):
+        return False  # make_engine says what is missing
+
+
+def sync_twin(raw: str | None) -> str:
+    """``--url`` on its backend's sync driver (the async worker's supervisor and metrics use one)."""
+    url = database_url(raw)
+    return driver_class(url.get_backend_name()).sync_url(url).render_as_string(hide_password=False)
+
+
+async def make_async_engine(raw: str | None, pool_size: int | None = None) -> Any:
+    """An ``AsyncEngine`` for ``--url`` (its backend's async driver if it names a sync one) that answered
+    a ``SELECT 1``; the errors of ``make_engine``."""
+    try:
+        from sqlalchemy.ext.asyncio import create_async_engine
+    except ImportError as exc:  # greenlet missing
+        raise ConfigError(f"the async worker needs SQLAlchemy's asyncio support: pip install "
+                          f"'sqla-jobs[asyncio]' ({exc})") from None
+    url = database_url(raw)
+    missing = missing_database(url)
+    if missing is not None:
+        raise SchemaError(f"no database at {missing}: check --url (a typo in the path?), or create the tables "
+                          "with `sqla-jobs create-tables --url ... --app ...`")
+    driver = driver_class(url.get_backend_name())
+    url, connect_args = driver.connect_args(driver.async_url(url))
+    try:
+        engine = create_async_engine(url, connect_args=connect_args, **({"pool_size": pool_size} if pool_size else {}))
+    except (NoSuchModuleError, ImportError) as exc:
+        raise ConfigError(f"--url {url.render_as_string()!r}: {exc}") from None
+    try:
+        async with engine.connect() as conn:
+            await conn.execute(select(1))
+    except DBAPIError as exc:
+        await engine.dispose()
         first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
         raise ConnectionProblem(f"cannot reach the database at {url.render_as_string()}: {first}") from None
     return engine

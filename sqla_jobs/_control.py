@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
@@ -73,6 +73,8 @@ class Control:
         self.wake = wake
         self.name = config.worker_name
         self.stopping = False
+        # How the loop sleeps outside ``wake.wait`` (the async worker's runs on the event loop: it awaits).
+        self.pause: Callable[[float], None] = time.sleep
         self._unwritten: list[Outcome] = []
         self._unwritten_since: float | None = None  # when the oldest unwritten outcome arrived
         self._token_base = uuid.uuid4().hex[:16]
@@ -338,7 +340,7 @@ class Control:
         committing = [run for run in live if not ex.abandon(run)]
         deadline = time.monotonic() + 5.0  # a commit in flight, not a handler: seconds at most
         while any(run.job.fence in ex.running for run in committing) and time.monotonic() < deadline:
-            time.sleep(0.01)
+            self.pause(0.01)
             ex.collect(self._add_unwritten)
         if self._unwritten:
             try:

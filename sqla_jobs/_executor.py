@@ -43,7 +43,7 @@ from ._context import JobContext, _current
 from ._outage import DatabaseKey, watch
 from ._payload import encode_value
 from .drivers.base import Claimed, Driver, Fence
-from .errors import InvalidJob, JobCancel, JobSnooze
+from .errors import ConfigError, InvalidJob, JobCancel, JobSnooze
 
 __all__ = ["Executor", "Outcome", "Run"]
 
@@ -96,6 +96,20 @@ class Outcome:
     committing: bool = False
     value: Any = None  # what the handler returned (checked, JSON-able), stored with the finished job
     progress: Any = None  # its last progress value, if not written yet
+
+
+def outcome_of(run: Run, started: float) -> Callable[..., Outcome]:
+    """``outcome(result, error, delay)`` for ``run``: cancelled whatever the result once a cancel request reached it."""
+    job = run.job
+
+    def outcome(result: str, error: str = "", delay: float = 0.0) -> Outcome:
+        if run.cancel_requested and result != "committed":
+            # The request reached the run: however the handler stopped, the job ends cancelled.
+            how = "the handler returned" if result == "ok" else (error or result)
+            return Outcome(job, "cancel", time.monotonic() - started, f"cancelled on request: {how}")
+        return Outcome(job, result, time.monotonic() - started, error, delay)
+
+    return outcome
 
 
 class Executor:
@@ -153,8 +167,12 @@ class Executor:
             self.running_in[job.queue] = self.running_in.get(job.queue, 0) + 1
         if timeout:
             self._timed += 1
-        self._todo.put(run)
+        self._dispatch(run)
         return run
+
+    def _dispatch(self, run: Run) -> None:
+        """Hand the run to a handler thread (the async executor starts a task instead)."""
+        self._todo.put(run)
 
     def collect(self, take: Callable[[Outcome], None]) -> None:
         """Pass each outcome the threads produced to ``take``; free their slots."""
@@ -282,14 +300,7 @@ class Executor:
     def _execute(self, run: Run, loop: asyncio.AbstractEventLoop | None) -> Outcome:
         job, ctx, handler = run.job, run.ctx, run.handler
         started = time.monotonic()
-
-        def outcome(result: str, error: str = "", delay: float = 0.0) -> Outcome:
-            if run.cancel_requested and result != "committed":
-                # The request reached the run: however the handler stopped, the job ends cancelled.
-                how = "the handler returned" if result == "ok" else (error or result)
-                return Outcome(job, "cancel", time.monotonic() - started, f"cancelled on request: {how}")
-            return Outcome(job, result, time.monotonic() - started, error, delay)
-
+        outcome = outcome_of(run, started)
         if handler is None:
             return outcome("error", f"UnknownKind: {self.queue.unknown_kind_message(job.kind)}")
         if self.queue.listens("started"):
@@ -299,6 +310,9 @@ class Executor:
         try:
             with watch() as dropped:
                 if handler.transactional:
+                    if handler.is_async:  # its session is an AsyncSession: only AsyncWorker has one
+                        raise ConfigError(f"handler {job.kind!r} is async and transactional: "
+                                          "run it with AsyncWorker (sqla-jobs worker --async)")
                     self._execute_in_transaction(run)
                     return outcome("committed")
                 if handler.is_async:
@@ -314,25 +328,30 @@ class Executor:
             if value is None and not self.progress and not run.cancel_requested:
                 return Outcome(job, "ok", time.monotonic() - started)  # the common case, kept short
             return self._succeeded(run, outcome("ok"), value)
-        except JobSnooze as snooze:
-            return outcome("snooze", delay=snooze.seconds)
-        except (JobCancel, _CancelBeforeCommit) as cancel:
-            return outcome("cancel", f"JobCancel: {cancel}")
-        except _ClaimLost:
+        except BaseException as exc:
+            return self._raised(run, exc, dropped, outcome)
+        finally:
+            _current.reset(token)
+
+    def _raised(self, run: Run, exc: BaseException, dropped: set[Any],
+                outcome: Callable[..., Outcome]) -> Outcome:
+        """What a run whose handler (or its transaction) raised ``exc`` became (the async executor's too)."""
+        job, handler = run.job, run.handler
+        if isinstance(exc, JobSnooze):
+            return outcome("snooze", delay=exc.seconds)
+        if isinstance(exc, (JobCancel, _CancelBeforeCommit)):
+            return outcome("cancel", f"JobCancel: {exc}")
+        if isinstance(exc, _ClaimLost):
             return outcome("lost")
-        except asyncio.TimeoutError as exc:
+        if isinstance(exc, asyncio.TimeoutError):
             # Only asyncio.wait_for's own timeout (raised from the cancellation it caused) is the
             # kind's timeout; a TimeoutError the handler raised itself (a socket, a lock) is an
             # ordinary failure. On Python 3.11+ asyncio.TimeoutError is the built-in TimeoutError.
             if handler.is_async and handler.timeout is not None and isinstance(exc.__cause__, asyncio.CancelledError):
                 return outcome("error", f"TimeoutError: handler ran past its {handler.timeout:g}s timeout")
-            return self._failed(run, outcome(""), exc, dropped)
-        except BaseException as exc:
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                log.warning("job %d %s: handler raised %s; treated as a failure", job.id, job.kind, type(exc).__name__)
-            return self._failed(run, outcome(""), exc, dropped)
-        finally:
-            _current.reset(token)
+        elif isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            log.warning("job %d %s: handler raised %s; treated as a failure", job.id, job.kind, type(exc).__name__)
+        return self._failed(run, outcome(""), exc, dropped)
 
     def _succeeded(self, run: Run, done: Outcome, value: Any) -> Outcome:
         """The handler returned ``value``: check it as a result; take the last unwritten progress."""

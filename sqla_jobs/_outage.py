@@ -12,15 +12,18 @@ other database the handler talks to does not: its errors are the handler's.
 
 SQLAlchemy reports every DBAPI error to ``handle_error`` listeners, with the
 engine and whether the connection is gone; one listener on ``Engine`` notes
-the database of each drop in a thread-local set, but only while a worker is
-watching that thread (``watch()``), so it costs nothing elsewhere.
+the database of each drop in a set held by a context variable, but only while
+a worker is watching (``watch()``), so it costs nothing elsewhere. A context
+variable, not a thread-local: each handler thread has its own context, and so
+does each handler task of the async worker (all on one thread), and SQLAlchemy
+runs an async engine's statements in the context of the task that awaits them.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from sqlalchemy import Engine, event
@@ -31,7 +34,7 @@ __all__ = ["database_key", "watch"]
 
 DatabaseKey = tuple[Any, ...]
 
-_seen = threading.local()
+_seen: ContextVar[set[DatabaseKey] | None] = ContextVar("sqla_jobs_watched_databases", default=None)
 
 
 def database_key(url: URL) -> DatabaseKey:
@@ -40,7 +43,7 @@ def database_key(url: URL) -> DatabaseKey:
 
 
 def _note(ctx: ExceptionContext) -> None:
-    watching: set[DatabaseKey] | None = getattr(_seen, "keys", None)
+    watching = _seen.get()
     if watching is None or ctx.engine is None:
         return
     # No connection at all means it could not be opened (refused, timed out, server starting up).
@@ -54,10 +57,10 @@ event.listen(Engine, "handle_error", _note)
 
 @contextmanager
 def watch() -> Iterator[set[DatabaseKey]]:
-    """Collect, for the calling thread, the databases whose connections dropped meanwhile."""
-    previous = getattr(_seen, "keys", None)
-    _seen.keys = found = set()
+    """Collect, for the calling thread (or task), the databases whose connections dropped meanwhile."""
+    found: set[DatabaseKey] = set()
+    token = _seen.set(found)
     try:
         yield found
     finally:
-        _seen.keys = previous
+        _seen.reset(token)

@@ -9,12 +9,16 @@ asked and runs the ``Worker``.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from sqlalchemy import Engine
 
-from ._bootstrap import load_app, make_engine
+from ._aio_worker import AsyncWorker
+from ._app import JobQueue
+from ._bootstrap import load_app, make_async_engine, make_engine, sync_twin
 from ._worker import Worker
 from ._worker_config import WorkerConfig
 from .errors import ConfigError
@@ -33,20 +37,39 @@ class WorkerProcess:
     metrics_port: int | None = None
     metrics_addr: str = "0.0.0.0"
     log_level: str = "INFO"
+    asynchronous: bool = False  # AsyncWorker on the URL's async driver (--async, or an async URL)
 
 
 def run_worker_process(spec: WorkerProcess, engine: Engine | None = None) -> int:
     """Run one worker until it stops; its exit status."""
     queue = load_app(spec.app)
+    if spec.asynchronous:
+        return asyncio.run(_run_async(spec, queue))
     if engine is None:
         engine = make_engine(spec.url, pool_size=spec.config.pool_size)
     worker = Worker._from_config(engine, queue, spec.config)
-    if spec.metrics_port is not None:
-        from .metrics import QueueMetrics  # raises ConfigError naming the extra when it is missing
-
-        try:
-            QueueMetrics(queue, engine).serve(spec.metrics_port, spec.metrics_addr)
-        except OSError as exc:
-            raise ConfigError(f"--metrics-port {spec.metrics_port}: cannot listen on "
-                              f"{spec.metrics_addr}:{spec.metrics_port} ({exc.strerror or exc})") from None
+    _serve_metrics(spec, queue, engine)
     return worker.run(burst=spec.burst)
+
+
+async def _run_async(spec: WorkerProcess, queue: JobQueue[Any, Any]) -> int:
+    """The async worker on this process's event loop; the CLI's signals stop it gracefully."""
+    engine = await make_async_engine(spec.url, pool_size=spec.config.pool_size)
+    try:
+        if spec.metrics_port is not None:  # the metrics server's thread reads through a sync engine
+            _serve_metrics(spec, queue, make_engine(sync_twin(spec.url)))
+        return await AsyncWorker._from_config(engine, queue, spec.config).run(burst=spec.burst, install_signals=True)
+    finally:
+        await engine.dispose()
+
+
+def _serve_metrics(spec: WorkerProcess, queue: JobQueue[Any, Any], engine: Engine) -> None:
+    if spec.metrics_port is None:
+        return
+    from .metrics import QueueMetrics  # raises ConfigError naming the extra when it is missing
+
+    try:
+        QueueMetrics(queue, engine).serve(spec.metrics_port, spec.metrics_addr)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {spec.metrics_port}: cannot listen on "
+                          f"{spec.metrics_addr}:{spec.metrics_port} ({exc.strerror or exc})") from None

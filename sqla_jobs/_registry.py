@@ -97,7 +97,9 @@ class Registry:
         ``timeout`` (seconds): a run that takes longer counts as failed and its
         late result is discarded. ``backoff`` overrides the app's retry
         delays for this kind. ``transactional``: see ``current_job().session``.
-        ``async def`` handlers are run on an event loop in the worker thread.
+        ``async def`` handlers are run on an event loop in the worker thread
+        (``AsyncWorker``: on its own event loop); an ``async def`` handler can be
+        ``transactional`` only under ``AsyncWorker`` (its session is an ``AsyncSession``).
         ``payload_type``: a dataclass, ``TypedDict`` or pydantic model the
         payload must fit, checked at enqueue and handed to ``fn`` as that
         type; by default the type ``fn``'s first parameter is annotated with,
@@ -113,8 +115,6 @@ class Registry:
             if kind in self.handlers:
                 raise ConfigError(f"kind {kind!r} already has a handler: {self.handlers[kind].fn!r}")
             is_async = inspect.iscoroutinefunction(fn)
-            if transactional and is_async:
-                raise ConfigError(f"handler {kind!r}: transactional handlers must be plain functions")
             declared = payload_type if payload_type is not None else declared_payload_type(fn)
             schema = PayloadSchema(kind, declared) if declared is not None else None
             call = _typed_call(fn, schema, is_async) if schema is not None else fn

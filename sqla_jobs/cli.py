@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from . import __version__
-from ._bootstrap import load_app, make_engine
+from ._bootstrap import is_async_url, load_app, make_engine, sync_twin
 from ._cli_admin import (
     cmd_create_tables,
     cmd_dead_list,
@@ -81,15 +81,17 @@ def cmd_worker(args: argparse.Namespace) -> int:
         prune_after=parse_duration(args.prune_finished_older_than) if args.prune_finished_older_than else None,
         leader=not args.no_leader,
     )
+    asynchronous = args.use_async or is_async_url(args.url)
     spec = WorkerProcess(args.app, args.url, config, burst=args.burst, metrics_port=args.metrics_port,
-                         metrics_addr=args.metrics_addr, log_level=args.log_level)
+                         metrics_addr=args.metrics_addr, log_level=args.log_level, asynchronous=asynchronous)
     if args.processes == 1:
         return run_worker_process(spec)
     queue = load_app(args.app)
-    engine = make_engine(args.url, pool_size=config.pool_size)
+    # The supervisor hands back its children's jobs on a sync engine: the async URL's sync twin.
+    engine = make_engine(sync_twin(args.url) if asynchronous else args.url, pool_size=config.pool_size)
     queue.check_schema(engine)
     engine.dispose()
-    child = replace(spec, url=engine.url.render_as_string(hide_password=False))
+    child = spec if asynchronous else replace(spec, url=engine.url.render_as_string(hide_password=False))
     return supervise(child, args.processes, queue, engine, args.name)
 
 
@@ -212,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--poll-interval", type=_positive(float), default=1.0, help="seconds between polls when idle")
     p.add_argument("--grace", type=_not_negative, default=30.0, help="seconds running jobs get to finish on SIGTERM")
     p.add_argument("--no-listen", action="store_true", help="poll only (e.g. behind PgBouncer)")
+    p.add_argument("--async", dest="use_async", action="store_true",
+                   help="the async worker: async def handlers on one event loop, --concurrency of them at once, "
+                        "plain ones on threads (default when --url names an async driver, e.g. sqlite+aiosqlite)")
     p.add_argument("--no-leader", action="store_true",
                    help="every worker reaps and prunes, instead of one elected worker (sqla_jobs.leader)")
     p.add_argument("--processes", type=int, default=1,
@@ -288,6 +293,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="soak-results", metavar="DIR",
                    help="with --soak: where soak.json, soak.csv and soak.png go")
     _json_flag(p, "the figures")
+    p.add_argument("--async", dest="use_async", action="store_true",
+                   help="measure the async worker (sqla-jobs worker --async) with async def no-op handlers")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
     _common(p)

@@ -7,6 +7,7 @@ exactly what ran, how often, and where. The database is ``SQLA_JOBS_URL``.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -77,6 +78,12 @@ def record(event: str) -> None:
     job = current_job()
     with engine().begin() as conn:
         conn.execute(insert(Effect).values(job_id=job.id, attempt=job.attempt, event=event, pid=os.getpid()))
+
+
+async def arecord(event: str) -> None:
+    """``record`` from an async handler: on a thread, since a sync write that waits for SQLite's lock
+    on the event loop's thread would stop the very transactions that hold the lock."""
+    await asyncio.to_thread(record, event)
 
 
 @queue.handler("noop")
@@ -158,6 +165,42 @@ def cancel(payload: dict[str, Any]) -> None:
 @queue.handler("async_noop")
 async def async_noop(payload: dict[str, Any]) -> None:
     record("finish")
+
+
+@queue.handler("async_record")
+async def async_record(payload: dict[str, Any]) -> None:
+    """``record`` for the async worker: its pause awaits, so the loop runs other jobs meanwhile."""
+    await arecord("start")
+    await asyncio.sleep(payload.get("sleep", 0))
+    await arecord("finish")
+
+
+@queue.handler("async_once", transactional=True)
+async def async_once(payload: dict[str, Any]) -> None:
+    """``once_slow`` for the async worker: the Once row through its AsyncSession, flushed, a marker file,
+    a pause to crash in; ``fail`` raises after all that (its writes must roll back)."""
+    job = current_job()
+    assert job.session is not None
+    job.session.add(Once(job_id=job.id))
+    await job.session.flush()  # type: ignore[misc]  # an AsyncSession under AsyncWorker
+    if payload.get("marker"):
+        with open(f"{payload['marker']}.{job.attempt}", "w"):
+            pass
+    await asyncio.sleep(payload.get("sleep", 0))
+    if payload.get("fail"):
+        raise ValueError("failed after writing")
+
+
+@queue.handler("async_hang", timeout=0.5)
+async def async_hang(payload: dict[str, Any]) -> None:
+    """Runs past its timeout; records ``stopped`` when its task is cancelled (really stopped)."""
+    await arecord("start")
+    try:
+        await asyncio.sleep(payload.get("seconds", 3))
+    except asyncio.CancelledError:
+        await asyncio.shield(arecord("stopped"))
+        raise
+    await arecord("finish")
 
 
 @queue.handler("await_cancel")

@@ -1,4 +1,5 @@
-"""Several worker processes on one database: every job runs exactly once (PostgreSQL and one SQLite file)."""
+"""Several worker processes on one database: every job runs exactly once (PostgreSQL and one SQLite file),
+with the threaded worker and with the async one (``--async``, its handlers the ``async def`` twins)."""
 
 from __future__ import annotations
 
@@ -20,14 +21,16 @@ RECORD_JOBS = 200
 PROCESSES = 4
 
 
-def test_four_worker_processes_run_every_job_exactly_once(db: Database) -> None:
+@pytest.mark.parametrize("flavour", ["threaded", "async"])
+def test_four_worker_processes_run_every_job_exactly_once(db: Database, flavour: str) -> None:
+    once, record = ("async_once", "async_record") if flavour == "async" else ("once", "record")
     with Session(db.engine) as session, session.begin():
-        session.add_all([app.Job(kind="once", payload={}) for _ in range(ONCE_JOBS)])
-        session.add_all([app.Job(kind="record", payload={}) for _ in range(RECORD_JOBS)])
+        session.add_all([app.Job(kind=once, payload={}) for _ in range(ONCE_JOBS)])
+        session.add_all([app.Job(kind=record, payload={}) for _ in range(RECORD_JOBS)])
     workers = [
         subprocess.Popen(
             [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "WARNING", "worker", "--burst",
-             "--concurrency", "4", "--app", "tests.app:queue"],
+             "--concurrency", "4", "--app", "tests.app:queue", *(["--async"] if flavour == "async" else [])],
             env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for _ in range(PROCESSES)
@@ -39,12 +42,12 @@ def test_four_worker_processes_run_every_job_exactly_once(db: Database) -> None:
 
     with Session(db.engine) as session:
         states = Counter(session.scalars(select(app.Job.state)))
-        once_ids = set(session.scalars(select(app.Job.id).where(app.Job.kind == "once")))
-        record_ids = set(session.scalars(select(app.Job.id).where(app.Job.kind == "record")))
+        once_ids = set(session.scalars(select(app.Job.id).where(app.Job.kind == once)))
+        record_ids = set(session.scalars(select(app.Job.id).where(app.Job.kind == record)))
         done = set(session.scalars(select(app.Once.job_id)))
         finishes = Counter(session.scalars(select(app.Effect.job_id).where(app.Effect.event == "finish")))
         pids = set(session.scalars(select(app.Effect.pid)))
-        attempts = Counter(session.scalars(select(app.Job.attempts).where(app.Job.kind == "once")))
+        attempts = Counter(session.scalars(select(app.Job.attempts).where(app.Job.kind == once)))
     assert states == {"finished": ONCE_JOBS + RECORD_JOBS}
     # The transactional handler: the unique key on job id would have refused a second committed run.
     assert done == once_ids

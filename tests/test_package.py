@@ -15,6 +15,7 @@ PUBLIC = [
     "MAX_PAYLOAD_BYTES",
     "MAX_PAYLOAD_DEPTH",
     "AsyncAdmin",
+    "AsyncWorker",
     "Backoff",
     "ConfigError",
     "ConnectionProblem",

@@ -105,9 +105,9 @@ def test_two_schedules_of_one_kind_need_names() -> None:
         queue.periodic(every=120, kind="noop")
 
 
-def _workers(db: Database, app_name: str, n: int) -> list[subprocess.Popen[str]]:
+def _workers(db: Database, app_name: str, n: int, flavour: str = "threaded") -> list[subprocess.Popen[str]]:
     command = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", f"tests.periodic_app:{app_name}",
-               "--poll-interval", "0.2", "--concurrency", "2"]
+               "--poll-interval", "0.2", "--concurrency", "2", *(["--async"] if flavour == "async" else [])]
     workers = [subprocess.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True) for _ in range(n)]
     for worker in workers:  # up and running (signals handled) before the test's clock starts
@@ -126,17 +126,19 @@ def _stop(workers: list[subprocess.Popen[str]]) -> None:
 
 
 @pytest.mark.slow
-def test_four_worker_processes_with_restarts_enqueue_each_slot_once(db: Database) -> None:
-    """Every 2 s, 4 workers, 2 of them restarted midway, then the schedule removed: one job per slot."""
-    first = _workers(db, "queue", 4)
+@pytest.mark.parametrize("flavour", ["threaded", "async"])
+def test_four_worker_processes_with_restarts_enqueue_each_slot_once(db: Database, flavour: str) -> None:
+    """Every 2 s, 4 workers, 2 of them restarted midway, then the schedule removed: one job per slot
+    (with the threaded workers, and with the async ones: their scheduler thread is the same)."""
+    first = _workers(db, "queue", 4, flavour)
     time.sleep(7)
     _stop(first[:2])
-    restarted = _workers(db, "queue", 2)
+    restarted = _workers(db, "queue", 2, flavour)
     time.sleep(7)
     _stop(first[2:] + restarted)
     keys = slot_keys(db)
     # The schedule removed from the code: workers of that app enqueue nothing more.
-    removed = _workers(db, "without", 2)
+    removed = _workers(db, "without", 2, flavour)
     time.sleep(4)
     _stop(removed)
     assert slot_keys(db) == keys

@@ -76,9 +76,31 @@ class Setup:
     url_aliases: ClassVar[tuple[str, ...]] = ()
     jobs: Table
 
+    #: The async DBAPI driver for each sync one this backend takes (``AsyncWorker``, ``worker --async``).
+    async_drivers: ClassVar[tuple[tuple[str, str], ...]] = ()
+
     @classmethod
     def normalise_url(cls, url: URL) -> URL:
         """The URL with the DBAPI driver sqla-jobs ships for this backend."""
+        return url
+
+    @classmethod
+    def async_url(cls, url: URL) -> URL:
+        """``url`` (normalised) on this backend's async driver; ConfigError when it has none."""
+        if url.get_dialect().is_async:
+            return url
+        drivername = dict(cls.async_drivers).get(url.drivername)
+        if drivername is None:
+            raise ConfigError(f"{url.drivername}: no async driver known for it; give an async URL "
+                              f"(one of {', '.join(sorted({a for _, a in cls.async_drivers})) or 'none'})")
+        return url.set(drivername=drivername)
+
+    @classmethod
+    def sync_url(cls, url: URL) -> URL:
+        """``url`` on the sync driver twin of its async one (an async worker's plain transactional handlers)."""
+        for sync, asynchronous in cls.async_drivers:
+            if url.drivername == asynchronous:
+                return url.set(drivername=sync)
         return url
 
     @classmethod

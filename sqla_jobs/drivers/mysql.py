@@ -97,9 +97,8 @@ def _json_as_longtext(element: JSONText, compiler: Any, **kw: Any) -> str:
 @compiles(DatabaseNow, "mysql")
 @compiles(DatabaseNow, "mariadb")
 def _utc_default(element: DatabaseNow, compiler: Any, **kw: Any) -> str:
-    # DATETIME has no time zone: CURRENT_TIMESTAMP would be the session's local time, in whole seconds.
-    # Parenthesised, as MySQL 8 wants an expression default.
-    return "(UTC_TIMESTAMP(6))"
+    # DATETIME has no time zone: CURRENT_TIMESTAMP would be the session's local time, in whole seconds;
+    return "(UTC_TIMESTAMP(6))"  # parenthesised, as MySQL 8 wants an expression default
 
 
 class MySQLDriver(MySQLStats, Driver):
@@ -108,6 +107,7 @@ class MySQLDriver(MySQLStats, Driver):
     name = "mariadb"
     label = "MariaDB/MySQL"
     url_aliases = ("mysql",)
+    async_drivers = (("mysql+pymysql", "mysql+aiomysql"), ("mariadb+pymysql", "mariadb+aiomysql"))
 
     # -- class level ---------------------------------------------------------------
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+import psycopg
 from psycopg import pq as psycopg_pq
+from sqlalchemy.util import await_only
 
 __all__ = ["run_claim"]
 
@@ -25,6 +27,8 @@ _CLAIM_PLANNER_RESTORE = "SELECT set_config('enable_bitmapscan', %s, true), set_
 
 def run_claim(raw: Any, sql: str, params: dict[str, Any]) -> list[Any]:
     """The claim statement's rows, planned with the settings above, on psycopg connection ``raw``."""
+    if isinstance(raw, psycopg.AsyncConnection):  # the async worker: we run in its control greenlet, so await
+        return await_only(_run_claim_async(raw, sql, params))
     if raw.autocommit and hasattr(raw, "pipeline"):  # the worker's hot connection (psycopg 3): one round trip
         with raw.cursor() as control, raw.cursor() as cursor:
             try:
@@ -44,4 +48,29 @@ def run_claim(raw: Any, sql: str, params: dict[str, Any]) -> list[Any]:
         cursor.execute(sql, params)
         rows = cursor.fetchall()
         cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1]))
+        return rows
+
+
+async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str, params: dict[str, Any]) -> list[Any]:
+    """``run_claim`` on psycopg's async connection: the same statements, the same single round trip."""
+    if raw.autocommit:
+        async with raw.cursor() as control, raw.cursor() as cursor:
+            try:
+                async with raw.pipeline():
+                    await control.execute("BEGIN")
+                    await control.execute(_CLAIM_PLANNER)
+                    await cursor.execute(sql, params)
+                    await control.execute("COMMIT")
+            except Exception:
+                if raw.info.transaction_status != psycopg_pq.TransactionStatus.IDLE and not raw.closed:
+                    await raw.execute("ROLLBACK")
+                raise
+            return await cursor.fetchall()
+    async with raw.cursor() as cursor:
+        await cursor.execute(_CLAIM_PLANNER)
+        before = await cursor.fetchone()
+        assert before is not None
+        await cursor.execute(sql, params)
+        rows = await cursor.fetchall()
+        await cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1]))
         return rows

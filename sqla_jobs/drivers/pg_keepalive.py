@@ -134,7 +134,9 @@ def _has_input(dbapi_connection: Any) -> bool:
     if dbapi_connection.closed or getattr(dbapi_connection, "broken", False):
         return True
     poller = select.poll()
-    poller.register(dbapi_connection.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+    # Under an AsyncEngine the pool holds SQLAlchemy's adapter: the socket is its psycopg connection's.
+    raw = getattr(dbapi_connection, "driver_connection", dbapi_connection)
+    poller.register(raw.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
     return bool(poller.poll(0))
 
 

@@ -116,6 +116,7 @@ class PostgreSQLDriver(PgBench, PartitionedMode):
     name = "postgresql"
     label = "PostgreSQL"
     url_aliases = ("postgres",)
+    async_drivers = (("postgresql+psycopg", "postgresql+psycopg_async"),)
 
     def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
         super().__init__(jobs, dead, dbapi)

@@ -64,6 +64,7 @@ class SQLiteDriver(Driver):
 
     name = "sqlite"
     label = "SQLite"
+    async_drivers = (("sqlite", "sqlite+aiosqlite"), ("sqlite+pysqlite", "sqlite+aiosqlite"))
 
     # -- class level ---------------------------------------------------------------
 

@@ -17,15 +17,29 @@ from . import cluster as cluster_mod
 from .harness import WorkerProc
 from .proxy import TcpProxy
 
+#: The async worker's twins of the test app's handlers (tests/app.py): same effects, awaiting.
+ASYNC_KINDS = {"record": "async_record", "once_slow": "async_once"}
+
 
 class Workers:
-    """Starts worker subprocesses; at teardown kills whatever is left and keeps every log."""
+    """Starts worker subprocesses; at teardown kills whatever is left and keeps every log.
 
-    def __init__(self, tmp_path: Path) -> None:
+    ``flavour``: ``threaded`` (``sqla-jobs worker``) or ``async`` (``sqla-jobs worker --async``,
+    the AsyncWorker); every scenario that starts workers through this fixture runs with both.
+    """
+
+    def __init__(self, tmp_path: Path, flavour: str = "threaded") -> None:
         self.tmp_path = tmp_path
+        self.flavour = flavour
         self.started: list[WorkerProc] = []
 
+    def kind(self, name: str) -> str:
+        """The handler a scenario enqueues: under the async worker, the ``async def`` twin where there is one."""
+        return ASYNC_KINDS.get(name, name) if self.flavour == "async" else name
+
     def __call__(self, url: str, handler_url: str | None = None, **options: Any) -> WorkerProc:
+        if self.flavour == "async":
+            options = {"async": True, **options}
         worker = WorkerProc(url, self.tmp_path / f"worker-{len(self.started)}.log", options, handler_url)
         self.started.append(worker.start())
         return worker
@@ -43,9 +57,15 @@ class Workers:
                 worker.wait(10)
 
 
+@pytest.fixture(params=["threaded", "async"])
+def flavour(request: pytest.FixtureRequest) -> str:
+    """Which worker the scenario runs: the threaded one, or the AsyncWorker (``--async``)."""
+    return str(request.param)
+
+
 @pytest.fixture
-def workers(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Workers]:
-    pool = Workers(tmp_path)
+def workers(tmp_path: Path, request: pytest.FixtureRequest, flavour: str) -> Iterator[Workers]:
+    pool = Workers(tmp_path, flavour)
     yield pool
     pool.kill_all()
     report = request.node.stash.get(_failed, False)

@@ -190,9 +190,9 @@ def check_invariants(engine: Engine, ids: Iterable[int], logs: Iterable[str] = (
     finish_effects = {e.job_id for e in effects(engine, event="finish")}
     for job_id, state in found.items():
         kind = rows[job_id].kind if job_id in rows else None
-        if state == "finished" and kind in ("record", "sleep", "relay"):
+        if state == "finished" and kind in ("record", "sleep", "relay", "async_record"):
             assert job_id in finish_effects, f"job {job_id} finished without its handler finishing"
-        if kind in ("once", "once_slow") or once_rows.get(job_id):
+        if kind in ("once", "once_slow", "async_once") or once_rows.get(job_id):
             expected = 1 if state == "finished" else 0
             assert once_rows.get(job_id, 0) == expected, (
                 f"once job {job_id} is {state} with {once_rows.get(job_id, 0)} Once row(s), expected {expected}")

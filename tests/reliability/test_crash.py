@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 
 def test_sigkill_mid_handler_runs_again_after_the_lease(db: Database, workers: Workers) -> None:
-    [job_id] = enqueue(db.engine, "record", {"sleep": 1.0})
+    [job_id] = enqueue(db.engine, workers.kind("record"), {"sleep": 1.0})
     first = workers(db.url)
     wait_for(lambda: effects(db.engine, job_id, "start"), 30, "the handler to start")
     first.signal(signal.SIGKILL)
@@ -57,7 +57,7 @@ def test_poison_job_ends_in_dead_letters_not_a_crash_loop(db: Database, workers:
 
 def test_crash_inside_a_transactional_handler_leaves_no_trace(db: Database, workers: Workers, tmp_path: Path) -> None:
     marker = tmp_path / "once-started"
-    [job_id] = enqueue(db.engine, "once_slow", {"marker": str(marker), "sleep": 1.0})
+    [job_id] = enqueue(db.engine, workers.kind("once_slow"), {"marker": str(marker), "sleep": 1.0})
     first = workers(db.url)
     wait_for(lambda: Path(f"{marker}.1").exists(), 30, "the transactional handler to flush its write")
     first.signal(signal.SIGKILL)
@@ -76,10 +76,10 @@ def test_racing_workers_never_run_a_job_twice(db: Database, workers: Workers) ->
     pool = [workers(db.url, concurrency=2, poll_interval=0.05) for _ in range(3)]
     ids: list[int] = []
     for _ in range(12):  # one job at a time, so all idle workers race for each
-        [one] = enqueue(db.engine, "record")
+        [one] = enqueue(db.engine, workers.kind("record"))
         ids.append(one)
         wait_for(lambda one=one: all_settled(db.engine, [one]), 30, "the job to finish")
-    ids += enqueue(db.engine, "record", n=30)
+    ids += enqueue(db.engine, workers.kind("record"), n=30)
     wait_for(lambda: all_settled(db.engine, ids), 60, "a batch of 30 to finish")
     for worker in pool:
         assert worker.stop() == 0
