@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
+from ._aio_wake import AsyncWake
 from ._app import JobEvent, JobQueue
 from ._context import _current
 from ._executor import Executor, Outcome, Run, _CancelBeforeCommit, _ClaimLost, outcome_of
@@ -51,7 +52,6 @@ from .drivers.base import Driver, Fence
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
-    from ._aio_worker import AsyncWake
 
 __all__ = ["AsyncExecutor"]
 
