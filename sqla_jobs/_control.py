@@ -89,6 +89,12 @@ class Control:
         # Per-queue slots: when each queue found empty may be asked again (monotonic time).
         self._empty_until: dict[str, float] = {}
         self.notified = False  # set by the database listener: new jobs, so every queue is worth asking
+        # With limits: when the ordinary claim (kinds without limits) last found nothing more, it is not
+        # made again until a poll interval passes, the database announces new jobs or a retry is written.
+        # It skips the limited kinds' pending jobs one by one, so with a backlog of those each try walks
+        # the whole backlog: repeated on every claim, that walk was most of a limited drain's time.
+        self._others_idle_until = 0.0
+        self._burst = False
         # Also set by the listener: a cancel request may have come (PostgreSQL's cancel notifies).
         self.cancel_check = False
         self._next_cancel_check = 0.0
@@ -97,11 +103,13 @@ class Control:
         """The listener's callback: jobs were enqueued (or made due), so empty queues are asked again."""
         self.notified = True
         self.cancel_check = True
+        self._others_idle_until = 0.0
         self.wake.set()
 
     def run(self, burst: bool) -> None:
         """Turn until stopped (or, with ``burst``, until nothing is due and nothing is left to write)."""
         ex = self.executor
+        self._burst = burst
         next_heartbeat = 0.0  # reap once at start: a crashed predecessor may have left jobs
         grace_ends: float | None = None
         db_retry_at = 0.0
@@ -245,6 +253,7 @@ class Control:
                     self.store.write_one(outcome)
                     outcome.written = True
                     self._empty_until.pop(outcome.job.queue, None)  # a retry may be due at once
+                    self._others_idle_until = 0.0
             if valued:
                 self.store.finish_with_results(valued)
         claimed = 0
@@ -254,9 +263,13 @@ class Control:
             token = f"{self._token_base}{self._claims:x}"  # unique per claim; hex, so no ':' or ','
             # Alone: no live run shares the process, so an isolated job may be claimed (and only it).
             # Abandoned runs are already written off: a crash now costs them nothing.
-            jobs, waiting = self.store.finish_and_claim(ok, limit, token, alone=limit > 0 and not ex.live_count,
-                                                        queues=queues)
+            jobs, waiting, others_short = self.store.finish_and_claim(
+                ok, limit, token, alone=limit > 0 and not ex.live_count, queues=queues,
+                plain=self._burst or time.monotonic() >= self._others_idle_until,  # burst: look before leaving
+            )
             ok = []  # finished by the first round trip
+            if others_short:
+                self._others_idle_until = time.monotonic() + self.config.poll_interval
             if limit > 0:
                 isolated_waiting = bool(isolated_waiting) or waiting
                 if queues is not None and len(jobs) < limit:

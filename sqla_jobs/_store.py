@@ -112,14 +112,17 @@ class Store:
     # -- the hot path ------------------------------------------------------------------
 
     def finish_and_claim(self, ok: list[Outcome], limit: int, token: str, alone: bool,
-                         queues: Sequence[str] | None = None) -> tuple[list[Claimed], bool]:
+                         queues: Sequence[str] | None = None, plain: bool = True) -> tuple[list[Claimed], bool, bool]:
         """Mark ``ok`` finished and claim up to ``limit`` jobs, in one round trip; report the finished ones.
 
         ``queues``: claim from these (a per-queue claim) instead of the worker's queues.
-        Returns the claimed jobs and whether a job that must run alone is waiting.
+        ``plain``: with limits, whether to make the ordinary claim (of the kinds without limits) too.
+        Returns the claimed jobs, whether a job that must run alone is waiting, and whether the ordinary
+        claim, made beside limits, found fewer jobs than it asked for (always False without limits).
         """
         queues = queues if queues is not None else self.queues
         fences = [o.job.fence for o in ok]
+        short = False
         if self.limits_table is None or limit <= 0:  # no limits (or no claim): the one round trip it always was
             with self._hot() as conn:
                 kept, jobs, waiting = self.sql.finish_and_claim(
@@ -134,16 +137,18 @@ class Store:
                 kept = self.sql.finish(conn, fences)
                 jobs, waiting, lone = claim_limited(self.sql, conn, self.limits_table, self.limits, limit,
                                                     self.worker_name, token, self.lease, queues, alone)
-                if not lone and len(jobs) < limit:
-                    _, plain, plain_waiting = self.sql.finish_and_claim(
-                        conn, [], limit - len(jobs), self.worker_name, token, self.lease, queues,
+                if plain and not lone and len(jobs) < limit:
+                    wanted = limit - len(jobs)
+                    _, others, others_waiting = self.sql.finish_and_claim(
+                        conn, [], wanted, self.worker_name, token, self.lease, queues,
                         alone=alone and not jobs, skip_kinds=self.limited_kinds,
                     )
-                    jobs, waiting = jobs + plain, waiting or plain_waiting
+                    short = len(others) < wanted
+                    jobs, waiting = jobs + others, waiting or others_waiting
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
-        return jobs, waiting
+        return jobs, waiting, short
 
     def finish_with_results(self, ok: list[Outcome]) -> None:
         """Finish runs that returned a value or left progress unwritten: store both, then finish, in one

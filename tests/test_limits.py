@@ -243,3 +243,57 @@ def test_the_limits_table_is_the_apps_when_declared_and_alembic_sees_it(db: Data
     with db.engine.connect() as conn:
         pending = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert [d[1].name for d in pending if d[0] == "add_table"] == ["lim_jobs_limits"]
+
+
+# An app of its own for the in-process test below (check_kinds=False: see tests/limits_app.py).
+_paced_app: JobQueue[app.Job, app.DeadJob] = JobQueue(app.Job, app.DeadJob, check_kinds=False)
+_paced_app.handler("slow_capped", limit=3)(lambda payload: time.sleep(0.05))
+_paced_app.handler("unlimited")(lambda payload: None)
+
+
+def test_the_claim_of_other_kinds_is_not_repeated_while_it_finds_nothing(db: Database) -> None:
+    """A backlog of a limited kind: the ordinary claim (which walks past that backlog's pending rows) is made
+    again only after a poll interval once it found nothing, not on every turn; a job of another kind enqueued
+    meanwhile still starts, within that interval."""
+    from sqla_jobs import Worker
+
+    with Session(db.engine) as session, session.begin():
+        _paced_app.enqueue_many(session, [{"kind": "slow_capped"} for _ in range(40)])
+    worker = Worker(db.engine, _paced_app, concurrency=4, poll_interval=0.5, listen=False)
+    driver = worker._store.sql  # the worker's own driver: count the ordinary claims it makes beside limits
+    ordinary: list[float] = []
+    claim = driver.finish_and_claim
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("skip_kinds"):
+            ordinary.append(time.monotonic())
+        return claim(*args, **kwargs)
+
+    driver.finish_and_claim = counted  # type: ignore[method-assign]
+    thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
+    started = time.monotonic()
+    thread.start()
+    try:
+        time.sleep(0.3)  # the backlog is being worked
+        with Session(db.engine) as session, session.begin():
+            _paced_app.enqueue_many(session, [{"kind": "unlimited"}])  # tests.app's own kinds check skipped
+        _wait_done(db, 41, timeout=120)
+        took = time.monotonic() - started
+    finally:
+        worker.stop()
+        thread.join(60)
+    t = app.Job.__table__
+    with db.engine.connect() as conn:
+        assert conn.execute(select(t.c.state).where(t.c.kind == "unlimited")).scalar_one() == "finished"
+    # 40 jobs of 50 ms, 3 at a time: at least 0.65 s and some 14 claims of the limited kind. Without the rule
+    # each of those claims makes an ordinary claim too; with it, one per poll interval at most (+1 to start).
+    assert len(ordinary) <= took / 0.5 + 2, (len(ordinary), took)
+
+
+def test_the_limits_drain_benchmark_runs(tmp_path: Path) -> None:
+    """docs/bench/limits_drain.py (the figures in docs/howto/limits.md), small, so it cannot rot."""
+    run = subprocess.run([sys.executable, str(ROOT / "docs" / "bench" / "limits_drain.py"), "--url",
+                          f"sqlite:///{tmp_path / 'bench.db'}", "--jobs", "200", "--runs", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "of the unlimited rate" in run.stdout and "limit=32" in run.stdout, run.stdout
