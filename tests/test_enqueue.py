@@ -131,7 +131,7 @@ BAD: dict[str, tuple[Callable[[], Any], str]] = {
     "priority float": (lambda: app.Job(kind="noop", payload={}, priority=1.5), "Job.priority"),
     "empty queue": (lambda: app.Job(kind="noop", payload={}, queue=""), "Job.queue"),
     "run_at string": (lambda: app.Job(kind="noop", payload={}, run_at="tomorrow"), "Job.run_at"),
-    "unknown kind": (lambda: app.Job(kind="sned_email", payload={}), "known kinds: async_noop, "),
+    "unknown kind": (lambda: app.Job(kind="sned_email", payload={}), "known kinds: async_hang, async_noop, "),
 }
 
 

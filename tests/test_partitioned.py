@@ -154,8 +154,10 @@ def test_create_tables_partitioned_from_the_command_line(tmp_path: Path) -> None
     assert out.returncode == 2 and "no partitioned mode" in out.stderr
 
 
-def test_several_worker_processes_run_every_job_exactly_once_on_a_partitioned_table(part: Database) -> None:
-    concurrency.test_four_worker_processes_run_every_job_exactly_once(part)
+@pytest.mark.parametrize("flavour", ["threaded", "async"])
+def test_several_worker_processes_run_every_job_exactly_once_on_a_partitioned_table(part: Database,
+                                                                                    flavour: str) -> None:
+    concurrency.test_four_worker_processes_run_every_job_exactly_once(part, flavour)
     assert _count(part, "jobs_live") == 0
 
 
@@ -255,6 +257,39 @@ def test_a_write_racing_a_move_to_another_partition_is_a_conflict_to_retry(part:
     assert len(errors) == 1 and driver.is_conflict(errors[0]), errors
     with Session(part.engine) as session:
         assert app.queue.get_job(session, job_id).state == "cancelled"
+
+
+def test_cancelling_a_job_whose_run_finishes_meanwhile_is_too_late_not_a_conflict(part: Database) -> None:
+    """``queue.cancel`` waits for a finish in flight that moves the row to the done partition: it must report
+    the job finished (too late), as on a plain table, not raise the serialization failure of the move."""
+    from sqla_jobs import JobStateError
+
+    with Session(part.engine) as session, session.begin():
+        job = app.Job(kind="noop", payload={})
+        session.add(job)
+        session.flush()
+        job_id = job.id
+    with part.engine.begin() as conn:  # a worker's claim, committed
+        conn.execute(update(JOBS).where(JOBS.c.id == job_id).values(state="running", claim_token="t", attempts=1))
+    outcome: list[object] = []
+    with part.engine.connect() as finisher:
+        finisher.execute(update(JOBS).where(JOBS.c.id == job_id)  # the finish, in flight: the row moves
+                         .values(state="finished", finished_at=func.now()))
+
+        def cancel() -> None:
+            try:
+                with Session(part.engine) as session, session.begin():
+                    outcome.append(app.queue.cancel(session, job_id))  # waits for the finisher's row lock
+            except BaseException as exc:  # reported, whatever it was
+                outcome.append(exc)
+
+        canceller = threading.Thread(target=cancel)
+        canceller.start()
+        time.sleep(0.5)
+        finisher.commit()
+        canceller.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], JobStateError), outcome
+    assert "finished already" in str(outcome[0])
 
 
 def test_a_day_whose_rows_are_in_default_is_skipped_and_pruned_there_by_age(part: Database) -> None:

@@ -307,6 +307,10 @@ def size_report(conn: Connection, table: Table) -> dict[str, int]:
             "live_table_bytes": int(live[0]), "live_total_bytes": int(live[1])}
 
 
+#: Tries of an admin write that lost a race with a row's move to another partition.
+_MOVE_RETRIES = 5
+
+
 class PartitionedMode(Driver):
     """The partitioned mode's driver methods, mixed into ``PostgreSQLDriver`` (whose module is full)."""
 
@@ -316,6 +320,24 @@ class PartitionedMode(Driver):
                 conn.execute(text(statement))
             forget(conn, self.jobs)
         self.create(conn)  # the dead-letter table and the trigger; the jobs table's indexes exist by name
+
+    def cancel(self, conn: Connection, job_id: int) -> tuple[bool, str | None]:
+        """``Driver.cancel``, retried when the job moved partition under it (its run finished meanwhile).
+
+        In READ COMMITTED an UPDATE that waited for a row can follow it to its new version, but not into
+        another partition: PostgreSQL raises a serialization failure instead. A savepoint keeps the
+        caller's transaction; the second try finds the job where it now is (finished: too late to cancel).
+        """
+        if not is_partitioned(conn, self.jobs):
+            return super().cancel(conn, job_id)
+        for attempt in range(_MOVE_RETRIES):
+            try:
+                with conn.begin_nested():
+                    return super().cancel(conn, job_id)
+            except DBAPIError as exc:
+                if not self.is_conflict(exc) or attempt == _MOVE_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")  # the loop returns or raises
 
     @classmethod
     def partitioned_migration(cls, table: Table) -> tuple[str, str, str] | None:
