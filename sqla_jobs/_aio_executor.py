@@ -45,7 +45,7 @@ from sqlalchemy.orm import Session
 from ._aio_wake import AsyncWake
 from ._app import JobEvent, JobQueue
 from ._context import _current
-from ._executor import Executor, Outcome, Run, _CancelBeforeCommit, _ClaimLost, outcome_of
+from ._executor import Executor, Outcome, Run, _ClaimLost, outcome_of
 from ._outage import DatabaseKey, watch
 from .drivers.base import Driver, Fence
 
@@ -189,12 +189,7 @@ class AsyncExecutor(Executor):
                 progress = run.ctx.progress if self.progress.pop(fence, None) is not None else None
                 if run.abandoned or not await session.run_sync(self._finish_in, fence, result, progress):
                     raise _ClaimLost()
-                with self._fate:  # from here the job is finished iff this commit succeeds
-                    if run.abandoned:
-                        raise _ClaimLost()
-                    if run.cancel_requested:
-                        raise _CancelBeforeCommit("cancel requested before the commit: its writes rolled back")
-                    run.finishing = True
+                self._before_commit(run)
             except BaseException:
                 await session.rollback()
                 raise

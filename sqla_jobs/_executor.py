@@ -386,6 +386,16 @@ class Executor:
         failed.committing = run.finishing
         return failed
 
+    def _before_commit(self, run: Run) -> None:
+        """The last check of a transactional run before its commit, under the lock ``abandon`` takes: from
+        here the job is finished iff that commit succeeds (a run abandoned or asked to cancel rolls back)."""
+        with self._fate:
+            if run.abandoned:
+                raise _ClaimLost()
+            if run.cancel_requested:
+                raise _CancelBeforeCommit("cancel requested before the commit: its writes rolled back")
+            run.finishing = True
+
     def _execute_in_transaction(self, run: Run) -> None:
         """The handler's writes and the job's completion commit together, or not at all."""
         with Session(self.engine) as session:
@@ -401,12 +411,7 @@ class Executor:
                     self.sql.set_results(conn, [(run.job.fence, result, progress)])
                 if run.abandoned or not self.sql.finish(conn, [run.job.fence]):
                     raise _ClaimLost()
-                with self._fate:  # from here the job is finished iff this commit succeeds
-                    if run.abandoned:
-                        raise _ClaimLost()
-                    if run.cancel_requested:
-                        raise _CancelBeforeCommit("cancel requested before the commit: its writes rolled back")
-                    run.finishing = True
+                self._before_commit(run)
             except BaseException:
                 session.rollback()
                 raise
