@@ -21,11 +21,13 @@ threads and the database connection (docs/development.md, "The worker's parts"):
   handlers natively, plain ones on threads), with timeouts, cancel
   requests and lost leases delivered by cancelling the task;
 * the wake-up is ``AsyncWake``, an event the control greenlet awaits and any
-  thread (PostgreSQL's LISTEN, a signal handler) can set;
-* what runs on threads of its own (the LISTEN connection, the periodic-jobs
-  scheduler, plain transactional handlers) uses an engine through the sync twin
-  of the async driver (``Driver.sync_url``): a thread cannot use the loop's
-  connections.
+  task or thread (PostgreSQL's LISTEN, a signal handler) can set;
+* PostgreSQL's LISTEN is a task on the loop too (``Driver.async_listener``,
+  ``drivers/pg_alisten.py``), on a connection out of the ``AsyncEngine``: a
+  notification sets ``AsyncWake`` in the loop's own thread, with no thread hop;
+* what runs on threads of its own (the periodic-jobs scheduler, plain
+  transactional handlers) uses an engine through the sync twin of the async
+  driver (``Driver.sync_url``): a thread cannot use the loop's connections.
 
 So heartbeats, leases, fencing, the reaper and the maintenance leader, retry
 backoff, dead letters, poison isolation, hooks and metrics are the threaded
@@ -43,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine
 from sqlalchemy.pool import NullPool
-from sqlalchemy.util import greenlet_spawn
+from sqlalchemy.util import await_only, greenlet_spawn
 
 from . import _signals
 from ._aio_executor import AsyncExecutor
@@ -54,6 +56,7 @@ from ._maintenance import Maintenance
 from ._outage import database_key
 from ._periodic import Scheduler
 from ._store import Store
+from ._vacuum import Vacuumer
 from ._worker_config import WorkerConfig, check_pool, split_queues
 from .drivers import driver_class
 from .drivers.base import Driver
@@ -92,13 +95,15 @@ class AsyncWorker:
         listen: bool = True,
         name: str | None = None,
         prune_after: float | None = None,
+        vacuum_dead_rows: int | None = None,
         leader: bool = True,
     ) -> None:
         concurrency, names, slots = split_queues(queues, concurrency)
         self._setup(engine, queue, WorkerConfig(
             concurrency=concurrency, queues=names, queue_slots=slots, lease=lease, heartbeat=heartbeat,
             poll_interval=poll_interval, grace=grace, batch_size=batch_size, flush_interval=flush_interval,
-            listen=listen, name=name, prune_after=prune_after, leader=leader,
+            listen=listen, name=name, prune_after=prune_after,
+            vacuum_dead_rows=vacuum_dead_rows, leader=leader,
         ))
 
     @classmethod
@@ -212,11 +217,16 @@ class AsyncWorker:
                      if schedule_engine is not None else None)
         if scheduler is not None:
             scheduler.start()
-        # LISTEN (PostgreSQL): the threaded worker's listener thread, on a connection of the sync twin
-        # driver (a thread cannot use the loop's connections); it wakes the loop through AsyncWake.
-        listen_engine = self._twin_engine(pool=False) if self.listen else None
-        listener = (self.sql.listener(listen_engine, control.wake_from_database, self.name)
-                    if listen_engine is not None else None)
+        # vacuum_dead_rows (sqla_jobs._vacuum): a thread too, on a sync twin engine of its own.
+        threshold = self.config.vacuum_dead_rows
+        vacuumer = (Vacuumer(self.queue, self._twin_engine(pool=False), threshold, lambda: self._maintenance.acting)
+                    if threshold is not None else None)
+        if vacuumer is not None:
+            vacuumer.start()
+        # LISTEN (PostgreSQL): a task on this loop, on a connection out of the worker's AsyncEngine; it
+        # sets AsyncWake in the loop's own thread (a listener thread would cost a call_soon_threadsafe hop
+        # on every pickup).
+        listener = self.sql.async_listener(self.engine, control.wake_from_database, self.name) if self.listen else None
         if listener is not None:
             listener.start()
         slots = self.config.slots
@@ -229,10 +239,11 @@ class AsyncWorker:
                 scheduler.stop()  # joins its thread: a blocking wait, but at most one enqueue long
             if schedule_engine is not None:
                 schedule_engine.dispose()
+            if vacuumer is not None:
+                vacuumer.stop()  # a blocking join too: at most one VACUUM long
+                vacuumer.engine.dispose()  # the twin engine is its own
             if listener is not None:
-                listener.stop()
-            if listen_engine is not None:
-                listen_engine.dispose()
+                await_only(listener.stop())  # its connection is closed before the engine's pool is
             self._maintenance.resign()  # the next worker takes the upkeep over at once
             self._store.close()
             executor.shutdown()

@@ -224,11 +224,13 @@ def enqueue_fast(engine: Engine, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int, asynchronous: bool = False) -> None:
+def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int, asynchronous: bool = False,
+                 vacuum_dead_rows: int | None = None) -> None:
     import logging
 
     logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
-    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size)  # checked, and sizes the pool
+    # checked, and sizes the pool
+    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, vacuum_dead_rows=vacuum_dead_rows)
     engine = create_engine(url, pool_size=config.pool_size)
     poll = 0.5 if queue.driver(engine).supports_listen else 0.02  # without LISTEN a worker polls
     config = dataclasses.replace(config, poll_interval=poll)
@@ -260,13 +262,15 @@ def _rss_mb(pid: int | None, field: str = "VmRSS") -> float:
 
 
 def drain(
-    url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int, asynchronous: bool = False
+    url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int, asynchronous: bool = False,
+    vacuum_dead_rows: int | None = None,
 ) -> tuple[float, float, float, float]:
     """Jobs/s, and the workers' largest RSS (MB): idle before, after, and peak during the drain."""
     ctx = mp.get_context("spawn")
     readies = [ctx.Event() for _ in range(processes)]
     rendered = url.render_as_string(hide_password=False)
-    procs = [ctx.Process(target=_worker_main, args=(rendered, concurrency, r, batch_size, asynchronous))
+    procs = [ctx.Process(target=_worker_main,
+                         args=(rendered, concurrency, r, batch_size, asynchronous, vacuum_dead_rows))
              for r in readies]
     for p in procs:
         p.start()
@@ -370,7 +374,7 @@ def run_bench(args: argparse.Namespace) -> int:
             finished_before = _count_finished(engine)
             rate, idle_rss, after_rss, peak_rss = drain(
                 bench_url, engine, args.jobs, args.concurrency, args.processes, args.batch_size,
-                getattr(args, "use_async", False),
+                getattr(args, "use_async", False), getattr(args, "vacuum_dead_rows", None),
             )
             assert _count_finished(engine) - finished_before == args.jobs
             record("drain (jobs/s)", rate)
@@ -401,8 +405,10 @@ def run_bench(args: argparse.Namespace) -> int:
         print(json.dumps({"settings": vars_of(args), "medians": summary, "runs": results}, indent=2))
     else:
         flavour = "async worker, async no-op handlers" if getattr(args, "use_async", False) else "threaded worker"
+        vacuum = f", vacuum at {args.vacuum_dead_rows} dead rows" if getattr(args, "vacuum_dead_rows", None) else ""
         print(f"\nsqla-jobs bench on {url.get_backend_name()} ({flavour}): {args.jobs} jobs, {args.processes} "
-              f"process(es) x {args.concurrency} threads, batch {args.batch_size}, median of {args.runs} run(s)")
+              f"process(es) x {args.concurrency} threads, batch {args.batch_size}{vacuum}, "
+              f"median of {args.runs} run(s)")
         for name, value in summary.items():
             print(f"  {name:<45} {value:>12,.2f}")
     return 0

@@ -2,7 +2,8 @@
 
 One ``Store`` per worker. It owns the control thread's hot connection (on
 PostgreSQL one autocommit connection: each hot write is one fenced statement,
-atomic on its own, so a BEGIN/COMMIT round trip would buy nothing), writes
+atomic on its own, so a BEGIN/COMMIT round trip would buy nothing; on
+MariaDB/MySQL one connection kept at READ COMMITTED), writes
 outcomes (``finish_and_claim`` for the batch of successes plus the claim in one
 round trip, ``write_one`` for the rare outcomes), heartbeats, reaps, prunes and
 gives jobs back, and reports each written outcome to the log and the hooks.
@@ -23,7 +24,7 @@ from ._executor import Outcome
 from ._limits import ensure_limits_table, limits_table
 from ._lost import hand_back
 from ._reconnect import retry_pause
-from .drivers._limits import claim_limited
+from .drivers._limits import claim_limited, ensure_rows
 from .drivers.base import Claimed, Driver, Fence
 
 __all__ = ["MAX_UNCOUNTED_OUTAGES", "Store"]
@@ -64,6 +65,8 @@ class Store:
         self.limits = queue.kind_limits()
         self.limited_kinds = [lim.kind for lim in self.limits]
         self.limits_table = limits_table(queue) if self.limits else None
+        self._capped_only = all(lim.running is not None and lim.key is None and not lim.rate_count
+                                for lim in self.limits)
 
     def prepare(self, listen: bool, poll_interval: float) -> None:
         """Before the first claim: the schema is the app's, the driver is ready, wake-ups can work."""
@@ -71,6 +74,7 @@ class Store:
         self.sql.prepare(self.engine)
         if self.limits_table is not None:
             ensure_limits_table(self.engine, self.limits_table)
+            ensure_rows(self.sql, self.engine, self.limits_table, [lim.row for lim in self.limits])
         if listen:
             with self.engine.connect() as conn:
                 if not self.sql.has_notify_trigger(conn):
@@ -88,25 +92,40 @@ class Store:
 
     @contextmanager
     def _hot(self) -> Iterator[Connection]:
-        """The connection for single-statement writes (claim, finish, heartbeat, release).
+        """The connection for the worker's short writes (claim, finish, heartbeat, release).
 
-        Writes of several statements (dead-lettering, the reaper) use ``Driver.write``.
+        One long-lived connection at the driver's ``hot_isolation``: on PostgreSQL in
+        autocommit (each hot write is one fenced statement), on MariaDB/MySQL at READ
+        COMMITTED, set once for the connection instead of once per transaction, with
+        each use committed here. Where there is none (SQLite), each use is a
+        ``Driver.write`` transaction. Writes of several statements (dead-lettering,
+        the reaper) always use ``Driver.write``.
         """
-        if not self.sql.hot_connection_autocommit:
+        isolation = self.sql.hot_isolation
+        if isolation is None:
             with self.sql.write(self.engine) as conn:
                 yield conn
             return
         if self._conn is None:
-            self._conn = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            # SQLAlchemy puts the connection's isolation back when it returns to the pool, so the app's
+            # own checkouts never see this one.
+            self._conn = self.engine.connect().execution_options(isolation_level=isolation)
+        conn = self._conn
         try:
-            yield self._conn
+            yield conn
+            if isolation != "AUTOCOMMIT":
+                conn.commit()
         except DBAPIError:
-            conn, self._conn = self._conn, None
+            self._conn = None
             try:
                 conn.invalidate()
                 conn.close()
             except Exception:
                 pass
+            raise
+        except BaseException:
+            if isolation != "AUTOCOMMIT" and conn.in_transaction():
+                conn.rollback()
             raise
 
     # -- the hot path ------------------------------------------------------------------
@@ -129,6 +148,8 @@ class Store:
                     conn, fences, limit, self.worker_name, token, self.lease, queues, alone=alone,
                     skip_kinds=self.limited_kinds,
                 )
+        elif (fast := self._capped(fences, limit, token, alone, queues, plain)) is not None:
+            kept, jobs, waiting, short = fast
         else:
             # One transaction, so a claim is never half made: the finishes first (the jobs just done no longer
             # count as running), then the kinds with limits (drivers/_limits.py, under their rows' locks), then
@@ -149,6 +170,23 @@ class Store:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
         return jobs, waiting, short
+
+    def _capped(self, fences: list[Fence], limit: int, token: str, alone: bool, queues: Sequence[str] | None,
+                plain: bool) -> tuple[set[int], list[Claimed], bool, bool] | None:
+        """``finish_and_claim`` the backend's faster way, when it has one and every limit is a plain running
+        limit (PostgreSQL: one pipeline on the hot connection, drivers/pg_limits.py); None: it has not."""
+        if not self._capped_only or self.sql.hot_isolation != "AUTOCOMMIT":
+            return None
+        assert self.limits_table is not None
+        with self._hot() as conn:
+            fast = self.sql.finish_and_claim_capped(conn, fences, self.limits_table, self.limits, limit,
+                                                    self.worker_name, token, self.lease, queues, alone, plain)
+        if fast is None:
+            return None
+        kept, jobs, waiting, short, missing = fast
+        if missing:  # someone deleted the kind's row: made again for the next claim
+            ensure_rows(self.sql, self.engine, self.limits_table, missing)
+        return kept, jobs, waiting, short
 
     def finish_with_results(self, ok: list[Outcome]) -> None:
         """Finish runs that returned a value or left progress unwritten: store both, then finish, in one

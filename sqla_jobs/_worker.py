@@ -60,6 +60,9 @@ docs/howto/operations.md).
 Reaping and pruning are the elected worker's (``leader=True``, the default:
 ``sqla_jobs.leader``, renewed at each heartbeat, handed over on stop); with
 ``leader=False`` (``--no-leader``) and in burst mode every worker does them.
+So is, with ``vacuum_dead_rows`` (``--vacuum-dead-rows``, PostgreSQL), a
+``VACUUM`` of the jobs table once it holds that many dead rows: see
+``sqla_jobs._vacuum`` for when a burst needs it.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ from ._maintenance import Maintenance
 from ._outage import database_key
 from ._periodic import Scheduler
 from ._store import Store
+from ._vacuum import Vacuumer
 from ._worker_config import WorkerConfig, check_pool, split_queues
 from .drivers.base import Driver
 from .leader import Leadership
@@ -114,13 +118,15 @@ class Worker:
         listen: bool = True,
         name: str | None = None,
         prune_after: float | None = None,
+        vacuum_dead_rows: int | None = None,
         leader: bool = True,
     ) -> None:
         concurrency, names, slots = split_queues(queues, concurrency)
         self._setup(engine, queue, WorkerConfig(
             concurrency=concurrency, queues=names, queue_slots=slots, lease=lease, heartbeat=heartbeat,
             poll_interval=poll_interval, grace=grace, batch_size=batch_size, flush_interval=flush_interval,
-            listen=listen, name=name, prune_after=prune_after, leader=leader,
+            listen=listen, name=name, prune_after=prune_after,
+            vacuum_dead_rows=vacuum_dead_rows, leader=leader,
         ))
 
     @classmethod
@@ -195,6 +201,11 @@ class Worker:
                          if self.queue.schedules and not burst else None)
             if scheduler is not None:
                 scheduler.start()
+            vacuumer = (Vacuumer(self.queue, self.engine, self.config.vacuum_dead_rows,
+                                 lambda: self._maintenance.acting)
+                        if self.config.vacuum_dead_rows is not None else None)
+            if vacuumer is not None:
+                vacuumer.start()
             if signals is not None:
                 signals.attach(f"worker {self.name}", self.stop)
             slots = self.config.slots
@@ -205,6 +216,8 @@ class Worker:
             finally:
                 if scheduler is not None:
                     scheduler.stop()
+                if vacuumer is not None:
+                    vacuumer.stop()
                 self._maintenance.resign()  # the next worker takes the upkeep over at once
                 if listener is not None:
                     listener.stop()

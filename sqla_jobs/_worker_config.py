@@ -50,6 +50,7 @@ class WorkerConfig:
     listen: bool = True
     name: str | None = None  # "{pid}" becomes the process id; None: HOST:PID:RANDOM
     prune_after: float | None = None
+    vacuum_dead_rows: int | None = None  # PostgreSQL: VACUUM the jobs table at this many dead rows
     leader: bool = True  # elect one worker for the upkeep (sqla_jobs.leader); False: every worker does it
     # Filled in by __post_init__: the heartbeat actually used and the name with its pid.
     heartbeat_every: float = field(init=False)
@@ -78,6 +79,11 @@ class WorkerConfig:
             raise ConfigError(f"heartbeat ({heartbeat}s) must be > 0 and at most lease / 3 ({self.lease / 3:g}s)")
         if self.prune_after is not None and not self.prune_after >= 0:
             raise ConfigError("prune_after must be >= 0 seconds (or None to keep finished jobs)")
+        if self.vacuum_dead_rows is not None and (
+                isinstance(self.vacuum_dead_rows, bool) or not isinstance(self.vacuum_dead_rows, int)
+                or self.vacuum_dead_rows < 1):
+            raise bad("vacuum_dead_rows", "a whole number >= 1 (or None to leave vacuuming to autovacuum)",
+                      self.vacuum_dead_rows)
         if self.queues is not None:
             # A list from a caller is fine; kept as a tuple so the config stays hashable and picklable.
             object.__setattr__(self, "queues", tuple(self.queues) or None)

@@ -79,6 +79,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         listen=not args.no_listen,
         name=args.name,
         prune_after=parse_duration(args.prune_finished_older_than) if args.prune_finished_older_than else None,
+        vacuum_dead_rows=args.vacuum_dead_rows,
         leader=not args.no_leader,
     )
     asynchronous = args.use_async or is_async_url(args.url)
@@ -229,6 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-addr", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
     p.add_argument("--prune-finished-older-than", metavar="AGE",
                    help="also delete finished/cancelled jobs older than AGE (e.g. 7d); one worker at a time")
+    p.add_argument("--vacuum-dead-rows", type=_positive(int), default=None, metavar="N",
+                   help="PostgreSQL: VACUUM the jobs table once it holds N dead rows (e.g. 50000), for bursts "
+                        "autovacuum is too slow for; one worker at a time (default: leave it to autovacuum)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("create-tables", help="create the job tables (for apps without alembic)")
@@ -295,6 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(p, "the figures")
     p.add_argument("--async", dest="use_async", action="store_true",
                    help="measure the async worker (sqla-jobs worker --async) with async def no-op handlers")
+    p.add_argument("--vacuum-dead-rows", type=_positive(int), default=None, metavar="N",
+                   help="the drain's workers run as `sqla-jobs worker --vacuum-dead-rows N` (PostgreSQL)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
     _common(p)

@@ -51,7 +51,11 @@ def _timed(payload: dict[str, Any]) -> None:
                                          pid=os.getpid(), started=started, ended=ended))
 
 
+#: LIMITS_APP_PLAIN=1: "capped"'s is the only limit, a plain one (no key, no rate), so the worker claims in its
+#: backend's faster way where it has one (``Driver.finish_and_claim_capped``; PostgreSQL: one pipeline).
+PLAIN_ONLY = os.environ.get("LIMITS_APP_PLAIN") == "1"
+
 queue.handler("capped", limit=CAPPED)(_timed)
-queue.handler("per_customer", limit=PER_CUSTOMER, limit_key="customer")(_timed)
-queue.handler("paced", rate=RATE)(_timed)
+queue.handler("per_customer", **({} if PLAIN_ONLY else {"limit": PER_CUSTOMER, "limit_key": "customer"}))(_timed)
+queue.handler("paced", **({} if PLAIN_ONLY else {"rate": RATE}))(_timed)
 queue.handler("free")(_timed)

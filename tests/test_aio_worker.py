@@ -12,15 +12,17 @@ worker too (tests/reliability, the ``flavour`` fixture).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-from sqlalchemy import create_engine, select
+from sqlalchemy import create_engine, select, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
@@ -225,6 +227,67 @@ def test_on_postgresql_a_notify_wakes_the_async_worker_long_before_its_poll(pg: 
         return asyncio.get_running_loop().time() - started
 
     assert run(pg, scenario) < 10
+
+
+def listen_backends(db: Database, worker_name: str) -> list[int]:
+    """The server pids of the worker's LISTEN connections (pg_stat_activity shows their last statement)."""
+    query = text("SELECT pid FROM pg_stat_activity WHERE query LIKE 'LISTEN %' AND application_name = :name")
+    with db.engine.connect() as conn:
+        return list(conn.execute(query, {"name": f"sqla-jobs worker {worker_name}"[:63]}).scalars())
+
+
+def test_on_postgresql_the_async_worker_listens_on_its_loop_and_survives_its_listen_connection_killed(
+    pg: Database, caplog: pytest.LogCaptureFixture
+) -> None:
+    """LISTEN is a task on the worker's event loop (drivers/pg_alisten.py), not a thread: a notification
+    wakes the worker in the loop's own thread. Killing its connection costs one reconnect, after which
+    a NOTIFY wakes the worker again (its poll and heartbeat are a minute away)."""
+
+    async def until(check: Callable[[], Awaitable[bool]], what: str, seconds: float = 10.0) -> None:
+        deadline = asyncio.get_running_loop().time() + seconds
+        while not await check():
+            assert asyncio.get_running_loop().time() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def scenario(engine: AsyncEngine) -> None:
+        worker = AsyncWorker(engine, queue, concurrency=2, poll_interval=60, lease=300, heartbeat=60)
+        task = asyncio.create_task(worker.run())
+
+        async def listening() -> bool:
+            return bool(await asyncio.to_thread(listen_backends, pg, worker.name))
+
+        async def finished(job: int) -> bool:
+            return (await asyncio.to_thread(states, pg))[job][0] == "finished"
+
+        try:
+            await until(listening, "the worker to LISTEN")
+            assert not [t.name for t in threading.enumerate() if t.name == "sqla-jobs-listen"], "a listener thread"
+            [first] = await asyncio.to_thread(enqueue, pg, ("async_record", {}, 1))
+            await until(lambda: finished(first), "a NOTIFY to wake the worker")
+
+            [pid] = await asyncio.to_thread(listen_backends, pg, worker.name)
+            with pg.engine.connect() as conn:
+                assert conn.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid}).scalar()
+            async def back() -> bool:
+                return "LISTEN connection is back" in caplog.text
+
+            await until(back, "the LISTEN connection to come back")
+            await until(listening, "the worker to LISTEN again")
+            assert await asyncio.to_thread(listen_backends, pg, worker.name) != [pid]
+            [second] = await asyncio.to_thread(enqueue, pg, ("async_record", {}, 1))
+            await until(lambda: finished(second), "a NOTIFY on the new LISTEN connection to wake the worker")
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        async def closed() -> bool:
+            return not await asyncio.to_thread(listen_backends, pg, worker.name)
+
+        await until(closed, "the LISTEN connection to close with the worker")
+
+    with caplog.at_level(logging.INFO, logger="sqla_jobs.worker"):
+        run(pg, scenario)
+    assert "LISTEN connection failed" in caplog.text
 
 
 def test_the_cli_picks_the_async_worker_for_an_async_url(db: Database) -> None:

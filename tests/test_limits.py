@@ -24,7 +24,8 @@ from tests import app, limits_app
 from tests.conftest import ROOT, Database
 
 
-def _workers(db: Database, n: int, concurrency: int, logs: Path) -> list[subprocess.Popen[str]]:
+def _workers(db: Database, n: int, concurrency: int, logs: Path,
+             plain_only: bool = False) -> list[subprocess.Popen[str]]:
     """``n`` worker processes, up and running. Their logs go to files: a worker logs a line per job, and a pipe
     nobody reads until the end would fill and stop it mid-run (its leases would then expire)."""
     command = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", "tests.limits_app:queue",
@@ -32,7 +33,8 @@ def _workers(db: Database, n: int, concurrency: int, logs: Path) -> list[subproc
     workers = []
     for i in range(n):
         with open(logs / f"worker-{i}.log", "w") as log:
-            workers.append(subprocess.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
+            env = db.env(LIMITS_APP_PLAIN="1" if plain_only else "0")
+            workers.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
                                             text=True))
     ends = time.monotonic() + 60
     try:
@@ -115,18 +117,24 @@ class Sampler(threading.Thread):
 
 
 @pytest.mark.slow
-def test_four_processes_never_run_more_than_the_limit(db: Database, tmp_path: Path) -> None:
-    """4 worker processes x 16 threads, 2,000 jobs of a kind limited to 3 (plus a per-key kind and free jobs)."""
+@pytest.mark.parametrize("plain_only", [False, True], ids=["mixed", "plain"])
+def test_four_processes_never_run_more_than_the_limit(db: Database, tmp_path: Path, plain_only: bool) -> None:
+    """4 worker processes x 16 threads, 2,000 jobs of a kind limited to 3 (plus a per-key kind and free jobs).
+
+    ``plain``: the app's only limit is that plain one, so PostgreSQL's workers claim in one pipeline
+    (drivers/pg_limits.py) instead of claim_limited's transaction.
+    """
     limits_app.metadata.create_all(db.engine)
+    keyed = 0 if plain_only else 150
     _enqueue(db, [{"kind": "capped", "payload": {"sleep": 0.01}} for _ in range(2000)]
-             + [{"kind": "per_customer", "payload": {"customer": f"c{i % 5}", "sleep": 0.01}} for i in range(150)]
+             + [{"kind": "per_customer", "payload": {"customer": f"c{i % 5}", "sleep": 0.01}} for i in range(keyed)]
              + [{"kind": "free"} for _ in range(300)])
     sampler = Sampler(db)
     sampler.start()
     started = time.monotonic()
-    workers = _workers(db, 4, 16, tmp_path)
+    workers = _workers(db, 4, 16, tmp_path, plain_only)
     try:
-        _wait_done(db, 2450, timeout=600)
+        _wait_done(db, 2300 + keyed, timeout=600)
     finally:
         took = time.monotonic() - started
         sampler.stop.set()
@@ -265,11 +273,19 @@ def test_the_claim_of_other_kinds_is_not_repeated_while_it_finds_nothing(db: Dat
     claim = driver.finish_and_claim
 
     def counted(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("skip_kinds"):
+        if kwargs.get("skip_kinds") and args[2] > 0:  # a claim (limit > 0), not a write of finishes alone
             ordinary.append(time.monotonic())
         return claim(*args, **kwargs)
 
+    capped = driver.finish_and_claim_capped
+
+    def counted_capped(*args: Any) -> Any:  # PostgreSQL: the ordinary claim rides in the pipeline when plain
+        if args[10]:
+            ordinary.append(time.monotonic())
+        return capped(*args)
+
     driver.finish_and_claim = counted  # type: ignore[method-assign]
+    driver.finish_and_claim_capped = counted_capped  # type: ignore[method-assign]
     thread = threading.Thread(target=worker.run, kwargs={"install_signals": False})
     started = time.monotonic()
     thread.start()
@@ -291,9 +307,15 @@ def test_the_claim_of_other_kinds_is_not_repeated_while_it_finds_nothing(db: Dat
 
 
 def test_the_limits_drain_benchmark_runs(tmp_path: Path) -> None:
-    """docs/bench/limits_drain.py (the figures in docs/howto/limits.md), small, so it cannot rot."""
+    """docs/bench/limits_drain.py and limits_turn.py (the figures in docs/howto/limits.md), small, so they
+    cannot rot."""
     run = subprocess.run([sys.executable, str(ROOT / "docs" / "bench" / "limits_drain.py"), "--url",
                           f"sqlite:///{tmp_path / 'bench.db'}", "--jobs", "200", "--runs", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "of the unlimited rate" in run.stdout and "limit=32" in run.stdout, run.stdout
+    assert "of the rate with no limits declared" in run.stdout and "limit=32" in run.stdout, run.stdout
+    turn = subprocess.run([sys.executable, str(ROOT / "docs" / "bench" / "limits_turn.py"), "--url",
+                           f"sqlite:///{tmp_path / 'turn.db'}", "--jobs", "64"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert turn.returncode == 0, turn.stderr
+    assert "plain=True: 5 turns" in turn.stdout, turn.stdout

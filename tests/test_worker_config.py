@@ -23,6 +23,9 @@ from tests.test_cli import APP, clean_env
     ("concurrency", 0, "concurrency must be at least 1, got 0"),
     ("heartbeat", 30.0, "heartbeat (30.0s) must be > 0 and at most lease / 3 (20s)"),
     ("prune_after", -1.0, "prune_after must be >= 0 seconds"),
+    ("vacuum_dead_rows", 0,
+     "vacuum_dead_rows must be a whole number >= 1 (or None to leave vacuuming to autovacuum), got 0"),
+    ("vacuum_dead_rows", 2.5, "vacuum_dead_rows must be a whole number >= 1"),
 ])
 def test_a_bad_setting_is_named_with_its_value(db: Database, setting: str, value: float, message: str) -> None:
     with pytest.raises(ConfigError) as raised:

@@ -228,6 +228,8 @@ def run_sqla_jobs(args: argparse.Namespace) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "WARNING", "bench", "--url", args.url,
                "--jobs", str(args.jobs), "--runs", "1", "--processes", str(processes),
                "--concurrency", str(concurrency), "--latency-samples", str(args.latency_samples), "--json"]
+        if args.sqla_jobs_vacuum_dead_rows:
+            cmd += ["--vacuum-dead-rows", str(args.sqla_jobs_vacuum_dead_rows)]
         say(f"  sqla-jobs bench, {processes} process(es) x {concurrency} threads")
         # The bench drops its scratch schema itself, unless it is killed: then we do.
         proc_result = run_child(cmd, args.child_timeout,
@@ -379,6 +381,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--install-timeout", type=float, default=300.0, help="seconds for pip per peer (default 300)")
     p.add_argument("--sqla-jobs-drain", default=DEFAULT_DRAIN["sqla-jobs"],
                    help="PROCESSESxTHREADS settings for sqla-jobs bench (default %(default)s)")
+    p.add_argument("--sqla-jobs-vacuum-dead-rows", type=int, metavar="N",
+                   help="sqla-jobs' drain workers VACUUM the jobs table at N dead rows (`--vacuum-dead-rows`); "
+                        "pgqueuer has no such setting and is left to autovacuum")
     p.add_argument("--pgqueuer-drain", default=DEFAULT_DRAIN["pgqueuer"],
                    help="PROCESSESxBATCH_SIZE settings for pgqueuer (default %(default)s)")
     p.add_argument("--soak", type=float, metavar="SECONDS",

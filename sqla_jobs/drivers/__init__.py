@@ -26,11 +26,13 @@ and may override, where the database offers more: ``begin_write`` (take the
 write lock up front), ``skip_locked`` (pass over locked rows), ``prune_lock``,
 ``insert_many`` (a bulk protocol; ``supports_copy``), ``notify`` /
 ``has_notify_trigger`` / ``channel`` / ``attach_table_events`` /
-``wake_trigger_migration`` / ``listener`` (wake-ups; ``supports_listen``), ``harden``
+``wake_trigger_migration`` / ``listener`` / ``async_listener`` (wake-ups; ``supports_listen``), ``harden``
 (keepalives), ``normalise_url`` (the DBAPI driver sqla-jobs ships),
-``hot_connection_autocommit``, ``create``, ``prepare``, ``index_names``,
+``hot_isolation``, ``create``, ``prepare``, ``index_names``,
 ``create_partitioned`` / ``partitioned_migration`` / ``upkeep`` / ``layout_indexes`` /
-``layout_table`` (a table layout of its own: PostgreSQL's partitioned mode, ``pg_partitions.py``);
+``layout_table`` (a table layout of its own: PostgreSQL's partitioned mode, ``pg_partitions.py``),
+``claim_capped`` / ``finish_and_claim_capped`` (the claim of plain running limits in fewer round
+trips: PostgreSQL's ``pg_limits.py``);
 and, where the database has no ``UPDATE … RETURNING`` (MariaDB/MySQL), the
 writes the base class does with it: ``finish``, ``heartbeat``,
 ``dead_letter``, ``requeue_dead``, ``prune_batch``.

@@ -34,22 +34,30 @@ Before step 1, a read without locks (``_worth_locking``) skips a kind with
 nothing due, at its limit, or with an empty bucket, so that workers polling a
 full kind do not queue for its row.
 
+A kind with a plain running limit (no key, no rate) goes to the backend's own
+way first (``Driver.claim_capped``): PostgreSQL sends the same steps as two
+statements in one round trip (``pg_limits``); the others, and a kind whose row
+does not exist yet, take the steps above. A worker whose limits are all plain
+may make its whole turn the backend's way (``Driver.finish_and_claim_capped``,
+called by ``sqla_jobs._store``).
+
 Jobs left over wait ``pending`` with their attempts untouched.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from sqlalchemy import Connection, String, Table, cast, exists, func, insert, literal, select, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import Connection, Engine, String, Table, cast, exists, func, insert, literal, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
 from .base import Claimed, Driver
 
-__all__ = ["LimitSpec", "claim_limited", "payload_key", "running_counts"]
+__all__ = ["LimitSpec", "claim_limited", "ensure_rows", "payload_key", "running_counts"]
 
 #: With a per-key limit, how many due jobs a claim looks at per free thread (keys that are full are left out by
 #: the query; this bounds the rows locked and read when the window holds several jobs of one key).
@@ -76,6 +84,10 @@ class LimitSpec(Protocol):
 
     @property
     def row(self) -> str: ...
+
+
+#: How often ensure_rows runs its transaction again after losing a race (a deadlock) to another worker.
+ENSURE_ATTEMPTS = 5
 
 
 def payload_key(sql: Driver, field: str) -> ColumnElement[str]:
@@ -140,9 +152,22 @@ def claim_limited(
     """
     claimed: list[Claimed] = []
     waiting = False
+    budget0, alone0 = free, alone  # the backend's own claim counts what this claim (token) took before
     for limit in sorted(limits, key=lambda lim: lim.kind):  # one order for every claimer: no lock cycles
         if free <= 0:
             break
+        if limit.running is not None and limit.key is None and not limit.rate_count:
+            fast = sql.claim_capped(conn, table, limit.row, limit.kind, limit.running, budget0, worker, token,
+                                    lease, queues, alone0)
+            if fast is not None:  # the backend's own way (PostgreSQL: drivers/pg_limits.py)
+                jobs, left = fast
+                waiting = waiting or left
+                claimed += jobs
+                free -= len(jobs)
+                if alone and jobs and jobs[0].isolated:
+                    return claimed, waiting, True
+                alone = alone and not jobs
+                continue
         if not _worth_locking(sql, conn, table, limit, queues):
             continue
         row = _lock_row(sql, conn, table, limit.row)
@@ -173,6 +198,26 @@ def claim_limited(
             jobs = []
         _save_bucket(sql, conn, table, limit.row, row, tokens, len(jobs))
     return claimed, waiting, False
+
+
+def ensure_rows(sql: Driver, engine: Engine, table: Table, names: Sequence[str]) -> None:
+    """Create the limits rows ``names`` if missing (the backend's own claim, ``Driver.finish_and_claim_capped``,
+    locks them but does not create them).
+
+    Workers starting together race for the same missing rows: on MariaDB each one's ``SELECT … FOR UPDATE``
+    of the missing row takes a gap lock that the others' inserts wait on, and InnoDB ends that circle by
+    failing one of them with a deadlock. Nothing is wrong then; the transaction is run again.
+    """
+    for attempt in range(1, ENSURE_ATTEMPTS + 1):
+        try:
+            with sql.write(engine) as conn:
+                for name in sorted(names):
+                    _lock_row(sql, conn, table, name)
+            return
+        except DBAPIError as exc:
+            if attempt == ENSURE_ATTEMPTS or not sql.is_conflict(exc):
+                raise
+            time.sleep(0.02 * attempt)
 
 
 def _worth_locking(sql: Driver, conn: Connection, table: Table, limit: LimitSpec,

@@ -346,6 +346,20 @@ class Operations:
         # A row another session is deleting right now is skipped, not waited for.
         return conn.execute(delete(t).where(t.c.id.in_(self.skip_locked(old).scalar_subquery()))).rowcount
 
+    # -- vacuum (sqla_jobs._vacuum) ------------------------------------------------------
+
+    def dead_rows(self, conn: Connection) -> int | None:
+        """Dead row versions in the jobs table as the server counts them; None where a backend reclaims
+        them itself (MariaDB's purge, SQLite's in-place updates) and nothing is left for a worker to do."""
+        return None
+
+    def may_vacuum(self, conn: Connection) -> bool:
+        """Whether this connection's role may vacuum the jobs table (only asked where ``dead_rows`` counts)."""
+        return False
+
+    def vacuum(self, conn: Connection) -> None:
+        """Reclaim the jobs table's dead rows now, unless another vacuum holds it (``conn`` in autocommit)."""
+
     # -- stats (sqla_jobs._stats) -------------------------------------------------------
 
     def recently_finished(self, window: float) -> ColumnElement[bool]:

@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from sqlalchemy import (
     Connection,
@@ -47,54 +46,26 @@ from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
 from ._percentile import percentile, run_times_in_python
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
 from ._unique import Uniqueness
+from ._values import DEAD_COLUMNS, AsyncListener, Claimed, Fence, Listener
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = [
     "DEAD_COLUMNS",
     "MAX_ERROR_LENGTH",
+    "AsyncListener",
     "Claimed",
     "DatabaseNow",
     "Driver",
     "Fence",
     "IndexDefinition",
+    "Listener",
     "index_dialects",
     "percentile",
     "run_times_in_python",
     "truncate",
 ]
-
-Fence = tuple[int, str]  # (job id, claim token)
-#: What a dead-lettered job carries over from its row (its unique key for the record only: it holds nothing there).
-DEAD_COLUMNS = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at",
-                "unique_key")
-
-
-@dataclass(slots=True)  # not frozen: frozen dataclasses are several times slower to build
-class Claimed:
-    """What a worker needs from a freshly claimed row."""
-
-    id: int
-    kind: str
-    queue: str
-    payload: dict[str, Any]
-    attempt: int
-    max_attempts: int
-    priority: int
-    token: str
-    #: Its last worker was lost while it ran: the worker runs it alone (see docs/guarantees.md).
-    isolated: bool = False
-
-    @property
-    def fence(self) -> Fence:
-        return (self.id, self.token)
-
-
-class Listener(Protocol):
-    """What ``Driver.listener`` returns: wakes a worker when a job is enqueued (PostgreSQL: ``pg_listen``)."""
-
-    def start(self) -> None: ...
-
-    def stop(self) -> None: ...
-
 
 class Driver(Setup, Operations, Uniqueness, Flow):
     """The statements for one pair of tables on one backend.
@@ -128,9 +99,10 @@ class Driver(Setup, Operations, Uniqueness, Flow):
         return False
 
     @property
-    def hot_connection_autocommit(self) -> bool:
-        """Single-statement worker writes may run on one long-lived autocommit connection."""
-        return False
+    def hot_isolation(self) -> str | None:
+        """The isolation level of the worker's one long-lived connection for its short writes (claim,
+        finish, heartbeat), e.g. ``"AUTOCOMMIT"``; None: each of them is a ``write`` transaction instead."""
+        return None
 
     @property
     def channel(self) -> str:
@@ -140,6 +112,11 @@ class Driver(Setup, Operations, Uniqueness, Flow):
     def listener(self, engine: Engine, wake: Callable[[], None], worker_name: str) -> Listener | None:
         """Something to ``start()`` and ``stop()`` that calls ``wake`` when a job is enqueued, or None
         where the database cannot notify (``supports_listen``); the worker then polls."""
+        return None
+
+    def async_listener(self, engine: AsyncEngine, wake: Callable[[], None], worker_name: str) -> AsyncListener | None:
+        """``listener`` for the async worker: started from its event loop's thread, it calls ``wake`` there
+        (no thread between the database and the loop), and ``await stop()`` closes its connection."""
         return None
 
     # -- time -------------------------------------------------------------------
@@ -292,6 +269,21 @@ class Driver(Setup, Operations, Uniqueness, Flow):
     def skip_locked(self, stmt: Select[Any]) -> Select[Any]:
         """``stmt`` made to pass over rows other sessions hold locked (as is, where rows are not locked)."""
         return stmt
+
+    def claim_capped(self, conn: Connection, limits: Table, row: str, kind: str, running: int, budget: int,
+                     worker: str, token: str, lease: float, queues: Sequence[str] | None,
+                     alone: bool) -> tuple[list[Claimed], bool] | None:
+        """A kind with a plain running limit claimed the backend's faster way (``drivers._limits``), or None:
+        the portable path runs (here always; on PostgreSQL ``pg_limits``)."""
+        return None
+
+    def finish_and_claim_capped(self, conn: Connection, fences: Sequence[Fence], limits_table: Table,
+                                limits: Sequence[Any], free: int, worker: str, token: str, lease: float,
+                                queues: Sequence[str] | None, alone: bool,
+                                plain: bool) -> tuple[set[int], list[Claimed], bool, bool, list[str]] | None:
+        """The worker's finishes and claims when every limit is a plain running limit, on its hot
+        connection, the backend's faster way; None: ``Store`` takes its portable path (here always)."""
+        return None
 
     def heartbeat(self, conn: Connection, fences: Sequence[Fence], lease: float) -> set[Fence]:
         """Extend the leases still held; returns those (the rest were lost)."""

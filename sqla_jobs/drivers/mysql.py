@@ -198,6 +198,13 @@ class MySQLDriver(MySQLStats, Driver):
 
     # -- transactions and schema -------------------------------------------------------
 
+    @property
+    def hot_isolation(self) -> str | None:
+        # The worker's claims and fenced writes need READ COMMITTED as much as begin_write's transactions do;
+        # on its own long-lived connection that is set once, not sent before every transaction (a round trip
+        # per batch, and the pool's reset on return another).
+        return "READ COMMITTED"
+
     def begin_write(self, conn: Connection) -> None:
         """READ COMMITTED for this transaction: no gap locks (see the module docstring).
 

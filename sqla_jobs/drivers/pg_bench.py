@@ -59,9 +59,6 @@ class PgBench:
         ), {"target": pg_name(self.jobs)}).mappings().first()
         return {k: float(v) for k, v in row.items() if v is not None} if row else {}
 
-    def bench_vacuum(self, conn: Connection) -> None:
-        conn.execute(text(f"VACUUM {pg_name(self.jobs)}"))
-
     def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
         preparer = postgresql.dialect().identifier_preparer
         settings = []

@@ -8,7 +8,7 @@ import psycopg
 from psycopg import pq as psycopg_pq
 from sqlalchemy.util import await_only
 
-__all__ = ["run_claim"]
+__all__ = ["CLAIMED", "run_claim"]
 
 # The claim must walk ix_<table>_pending in claim order and stop after `limit` rows. The planner
 # takes that plan only when its statistics say the backlog is large, and a queue table's often do
@@ -23,6 +23,20 @@ __all__ = ["run_claim"]
 _CLAIM_PLANNER = ("SELECT current_setting('enable_bitmapscan'), current_setting('enable_seqscan'), "
                   "set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true)")
 _CLAIM_PLANNER_RESTORE = "SELECT set_config('enable_bitmapscan', %s, true), set_config('enable_seqscan', %s, true)"
+
+# The claim's last step, shared by the ordinary claim (postgresql.py) and a limited kind's (pg_limits.py): the
+# rows the statement chose in its `due` CTE (its `alone` CTE: an isolated job to run alone) become running
+# under the claim's token, and are returned in the column order Driver.finish_and_claim reads.
+CLAIMED = """claimed AS (
+    UPDATE {live} AS j
+    SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
+        claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
+    FROM due WHERE j.id = due.id
+        AND (due.id IN (SELECT id FROM alone) OR NOT (due.isolate OR EXISTS (SELECT FROM alone)))
+    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate
+)
+SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at, isolate FROM claimed
+"""
 
 
 def run_claim(raw: Any, sql: str, params: dict[str, Any]) -> list[Any]:

@@ -18,7 +18,7 @@ import json
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 from sqlalchemy import (
@@ -48,15 +48,20 @@ from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util import await_only
 
 from ..errors import ConfigError
-from . import pg_keepalive, pg_partitions
+from . import pg_keepalive, pg_limits, pg_partitions
 from ._setup import GeneratedColumn
 from ._unique import on_conflict_insert
 from .base import Claimed, Fence, IndexDefinition
+from .pg_alisten import PgAsyncListener
 from .pg_bench import PgBench
-from .pg_claim import run_claim
+from .pg_claim import CLAIMED, run_claim
 from .pg_listen import PgListener
 from .pg_notify import notify_channel, notify_trigger_ddl, notify_trigger_name, pg_name
 from .pg_partitions import PartitionedMode
+from .pg_vacuum import PgVacuum
+
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_trigger_name"]
 
@@ -87,16 +92,7 @@ WITH done AS (
     FOR UPDATE SKIP LOCKED
 ), alone AS (
     SELECT id FROM due WHERE isolate AND %(alone)s ORDER BY priority DESC, run_at, id LIMIT 1
-), claimed AS (
-    UPDATE {live} AS j
-    SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
-        claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
-    FROM due WHERE j.id = due.id
-        AND (due.id IN (SELECT id FROM alone) OR NOT (due.isolate OR EXISTS (SELECT FROM alone)))
-    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate
-)
-SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at, isolate FROM claimed
-UNION ALL
+), """ + CLAIMED + """UNION ALL
 SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
 UNION ALL
 SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
@@ -110,7 +106,7 @@ def _stored(element: GeneratedColumn, compiler: Any, **kw: Any) -> str:
     return str(compiler.visit_computed_column(Computed(element.sqltext, persisted=True), **kw))
 
 
-class PostgreSQLDriver(PgBench, PartitionedMode):
+class PostgreSQLDriver(PgVacuum, PgBench, PartitionedMode):
     """PostgreSQL: see the module docstring; the partitioned mode's methods are in ``pg_partitions``."""
 
     name = "postgresql"
@@ -140,9 +136,9 @@ class PostgreSQLDriver(PgBench, PartitionedMode):
         return True
 
     @property
-    def hot_connection_autocommit(self) -> bool:
+    def hot_isolation(self) -> str | None:
         # Each hot write is one fenced statement, atomic on its own: BEGIN and COMMIT would buy nothing.
-        return True
+        return "AUTOCOMMIT"
 
     @property
     def channel(self) -> str:
@@ -150,6 +146,10 @@ class PostgreSQLDriver(PgBench, PartitionedMode):
 
     def listener(self, engine: Engine, wake: Callable[[], None], worker_name: str) -> PgListener | None:
         return PgListener(engine, self._channel, wake, worker_name) if self.supports_listen else None
+
+    def async_listener(self, engine: AsyncEngine, wake: Callable[[], None],
+                       worker_name: str) -> PgAsyncListener | None:
+        return PgAsyncListener(engine, self._channel, wake, worker_name) if self.supports_listen else None
 
     # -- class level ---------------------------------------------------------------
 
@@ -339,6 +339,30 @@ class PostgreSQLDriver(PgBench, PartitionedMode):
             conn, [], limit, worker, token, lease, queues, ordered=True, alone=alone, skip_kinds=skip_kinds
         )
         return jobs, waiting
+
+    # Kinds with a plain running limit: drivers/pg_limits.py.
+    def claim_capped(self, conn: Connection, limits: Table, row: str, kind: str, running: int, budget: int,
+                     worker: str, token: str, lease: float, queues: Sequence[str] | None,
+                     alone: bool) -> tuple[list[Claimed], bool] | None:
+        stmts = pg_limits.statements(conn, self.jobs, limits, bool(queues), self._pg_hot_for(conn, queues))
+        return pg_limits.claim_capped(conn, stmts, row, kind, running, budget, worker, token, lease, queues, alone)
+
+    def finish_and_claim_capped(self, conn: Connection, fences: Sequence[Fence], limits_table: Table,
+                                limits: Sequence[Any], free: int, worker: str, token: str, lease: float,
+                                queues: Sequence[str] | None, alone: bool,
+                                plain: bool) -> tuple[set[int], list[Claimed], bool, bool, list[str]] | None:
+        raw = conn.connection.driver_connection
+        if not (getattr(raw, "autocommit", False) and hasattr(raw, "pipeline")):
+            return None  # not the worker's autocommit psycopg 3 connection: the portable path
+        hot = self._pg_hot_for(conn, queues)
+        stmts = pg_limits.statements(conn, self.jobs, limits_table, bool(queues), hot)
+        pairs = ",".join(f"{job_id}:{job_token}" for job_id, job_token in fences)
+        return pg_limits.finish_and_claim_capped(conn, stmts, hot, pairs, sorted(limits, key=lambda lim: lim.kind),
+                                                 free, worker, token, lease, queues, alone, plain)
+
+    def _pg_hot_for(self, conn: Connection, queues: Sequence[str] | None) -> str:
+        """The worker's claim statement skipping the limited kinds."""
+        return self._pg_hot[bool(queues), True, pg_partitions.is_partitioned(conn, self.jobs)]
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """COPY, the fastest way in."""

@@ -10,10 +10,10 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import select, update
+from sqlalchemy import create_engine, select, update
 
 from sqla_jobs._limits import KindLimit, ensure_limits_table, limits_table
-from sqla_jobs.drivers._limits import claim_limited
+from sqla_jobs.drivers._limits import claim_limited, ensure_rows
 from sqla_jobs.drivers.base import Claimed
 from tests import app
 from tests.drivers.conftest import Backend, in_write
@@ -197,6 +197,39 @@ def test_the_limits_row_is_made_once(backend: Backend) -> None:
     assert json.dumps(rows[0][0])  # plain text
 
 
+def test_workers_starting_together_all_make_sure_of_the_rows(backend: Backend) -> None:
+    """Eight workers start at once and each makes sure of the same missing rows: every one of them gets
+    through (on MariaDB some lose a deadlock on the missing rows' gap and run again), and each row is made once."""
+    table = limits_table(app.queue)
+    ensure_limits_table(backend.db.engine, table)
+    names = ["kind:capped"]
+    barrier = threading.Barrier(8)
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        engine = create_engine(backend.db.url)  # a worker process's own connections
+        try:
+            barrier.wait()
+            ensure_rows(backend.driver, engine, table, names)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            engine.dispose()
+
+    for _ in range(10):  # rounds: the race is not lost every time
+        with backend.write() as conn:
+            conn.execute(table.delete())
+        threads = [threading.Thread(target=start) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not any(thread.is_alive() for thread in threads), "a start hung on the limits rows"
+        assert errors == []
+        with backend.db.engine.connect() as conn:
+            assert sorted(conn.execute(select(table.c.name)).scalars()) == names
+
+
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.integers(1, 3), st.lists(st.sampled_from("abc"), min_size=1, max_size=12),
        st.lists(st.tuples(st.integers(0, 5), st.integers(0, 3)), min_size=1, max_size=6))
@@ -225,3 +258,30 @@ def test_any_claims_and_finishes_keep_every_key_within_its_limit(
             assert sum(j.payload["customer"] == k for j in running) <= n
         done, running = running[:finishing], running[finishing:]
         finish(backend, done)
+
+
+def test_postgresql_takes_nothing_without_the_lock_its_first_statement_passed_up(backend: Backend) -> None:
+    """PostgreSQL's two statements (drivers/pg_limits.py) run one at a time: the lock, skipped as the kind is
+    at its limit; a finish committed by another worker; then the take, which now sees room but must not use
+    it, since this transaction does not hold the kind's row (another claimer might be counting under it)."""
+    if backend.name != "postgresql":
+        return
+    from sqla_jobs.drivers import pg_limits
+
+    backend.insert(3, kind="capped", run_at=PAST)
+    cap = KindLimit("capped", running=1)
+    table = limits_table(app.queue)
+    ensure_limits_table(backend.db.engine, table)
+    ensure_rows(backend.driver, backend.db.engine, table, [cap.row])  # (a missing row also means no lock)
+    first, _, _ = limited(backend, [cap])  # one running: the kind is at its limit
+    assert len(first) == 1
+    with backend.write() as conn:
+        stmts = pg_limits.statements(conn, backend.driver.jobs, table, False,
+                                     backend.driver._pg_hot_for(conn, None))  # type: ignore[attr-defined]
+        params = {"row": cap.row, "kind": "capped", "running": 1, "budget": 5, "worker": "w", "token": "t-gate",
+                  "lease": 60.0, "queues": [], "alone": False}
+        assert pg_limits._rows(conn, [(stmts.lock, params)], False) == [[]]  # not worth locking: no lock
+        finish(backend, first)  # another transaction: room for one
+        taken = pg_limits._rows(conn, [(stmts.take, params)], False)
+    assert taken == [[]]
+    assert len(limited(backend, [cap])[0]) == 1  # with the lock, the room is used
