@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import threading
+import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
 from sqla_jobs import MAX_ERROR_LENGTH, Backoff, JobContext, JobEvent, JobQueue, current_job
+from sqla_jobs.drivers import sqlite as sqlite_driver
 from tests import app
 from tests.conftest import Database
 from tests.helpers import count, db_now, dead, effects, enqueue, job, run_burst, utc
@@ -308,3 +314,56 @@ def test_default_first_retry_is_one_minute_not_two(db: Database) -> None:
     assert row is not None and (row.state, row.attempts) == ("pending", 1)
     slack = timedelta(seconds=2)
     assert before + timedelta(seconds=54) - slack <= utc(row.run_at) <= after + timedelta(seconds=66) + slack
+
+
+def _hold_write_lock(path: Path, seconds: float, holding: threading.Event) -> None:
+    """Another connection of the app writing: BEGIN IMMEDIATE held for ``seconds``, then committed."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute("INSERT INTO effects (job_id, attempt, event, pid) VALUES (0, 0, 'app', 0)")
+        holding.set()
+        time.sleep(seconds)
+        conn.execute("COMMIT")
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("switch_wait", [30.0, 0.3], ids=["lock-released", "lock-outlasts-the-wait"])
+def test_a_sqlite_worker_starts_beside_an_app_that_is_writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, switch_wait: float
+) -> None:
+    # SQLite refuses the switch to WAL at once while another connection writes (no busy wait); a worker
+    # thread started in a busy web process used to die of it (CI: the FastAPI recipe on SQLite).
+    path = tmp_path / "jobs.db"
+    engine = create_engine(f"sqlite:///{path}")
+    app.Base.metadata.create_all(engine)  # as the FastAPI recipe makes its tables (create_tables would switch to WAL)
+    assert _journal_mode(path) == "delete"
+    job_id = enqueue(engine, "noop")
+    monkeypatch.setattr(sqlite_driver, "WAL_SWITCH_WAIT", switch_wait)
+    holding = threading.Event()
+    writer = threading.Thread(target=_hold_write_lock, args=(path, 1.0, holding))
+    writer.start()
+    assert holding.wait(10)
+    try:
+        with caplog.at_level(logging.WARNING, logger="sqla_jobs"):
+            worker = run_burst(engine)
+    finally:
+        writer.join()
+    assert worker.processed == 1
+    assert job(engine, job_id).state == "finished"
+    if switch_wait > 1.0:
+        assert _journal_mode(path) == "wal"
+        assert "not in WAL mode" not in caplog.text
+    else:
+        assert _journal_mode(path) == "delete"  # went on without it, and said so
+        assert "stayed busy" in caplog.text and "not in WAL mode" in caplog.text
+    engine.dispose()
+
+
+def _journal_mode(path: Path) -> str:
+    conn = sqlite3.connect(path)
+    try:
+        return str(conn.execute("PRAGMA journal_mode").fetchone()[0]).lower()
+    finally:
+        conn.close()

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import tempfile
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -35,6 +36,9 @@ from .base import Claimed, Driver, IndexDefinition, run_times_in_python
 __all__ = ["SQLiteDriver"]
 
 log = logging.getLogger("sqla_jobs")
+
+#: How long a worker keeps trying to switch a busy database to WAL before it goes on without (seconds).
+WAL_SWITCH_WAIT = 30.0
 
 
 def _master(schema: str | None) -> str:
@@ -152,12 +156,43 @@ class SQLiteDriver(Driver):
         conn.exec_driver_sql("PRAGMA busy_timeout = 30000")
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
+    def is_conflict(self, exc: BaseException) -> bool:
+        """SQLITE_BUSY ("database is locked"): another connection held the lock for longer than we waited."""
+        orig = getattr(exc, "orig", None)
+        return isinstance(exc, DBAPIError) and getattr(orig, "sqlite_errorcode", None) in {5, 6}  # BUSY, LOCKED
+
     def prepare(self, engine: Engine) -> None:
-        """WAL lets SQLite readers and one writer work side by side."""
-        if engine.url.database not in (None, "", ":memory:"):
-            with engine.connect() as conn:
-                conn.exec_driver_sql("PRAGMA journal_mode=WAL")
-                conn.commit()
+        """WAL lets SQLite readers and one writer work side by side.
+
+        The switch needs the database to itself, and while another connection
+        writes SQLite refuses it at once ("database is locked") instead of
+        waiting out the busy timeout. A worker started beside a busy app (a
+        thread in a web process) tries again for up to ``WAL_SWITCH_WAIT``
+        seconds; if the app writes all that time, the worker carries on in the
+        current journal mode, which is slower for readers but just as correct,
+        and says so.
+        """
+        if engine.url.database in (None, "", ":memory:"):
+            return
+        deadline = time.monotonic() + WAL_SWITCH_WAIT
+        with engine.connect() as conn:
+            while True:
+                try:
+                    mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
+                    if str(mode).lower() != "wal":
+                        conn.exec_driver_sql("PRAGMA journal_mode=WAL")
+                    conn.commit()
+                    return
+                except DBAPIError as exc:
+                    conn.rollback()
+                    if not self.is_conflict(exc):
+                        raise
+                    if time.monotonic() > deadline:
+                        log.warning("SQLite database %s stayed busy for %gs, so it is not in WAL mode; "
+                                    "the worker goes on without it (readers wait for writers)",
+                                    engine.url.database, WAL_SWITCH_WAIT)
+                        return
+                    time.sleep(0.05)
 
     def index_names(self, conn: Connection) -> set[str]:
         # Some SQLAlchemy versions leave SQLite expression indexes (the claim index) out of reflection.
