@@ -300,3 +300,38 @@ def test_the_cli_picks_the_async_worker_for_an_async_url(db: Database) -> None:
     assert "started (async)" in result.stderr
     assert [states(db)[i] for i in ids] == [("finished", 1)] * 3
     assert once_rows(db) == {ids[0], ids[2]}  # through its AsyncSession, and the plain one's Session
+
+
+def test_on_sqlite_the_worker_starts_while_a_coroutine_on_its_loop_is_writing(tmp_path: Path) -> None:
+    """The WAL switch refused while the app writes (tests/test_worker.py has the threaded case): here the app's
+    writer is a coroutine on the worker's own loop, which must go on and commit while the worker tries again."""
+    import aiosqlite
+
+    path = tmp_path / "jobs.db"
+    db = Database("sqlite", f"sqlite:///{path}", create_engine(f"sqlite:///{path}"))
+    app.Base.metadata.create_all(db.engine)  # the app's create_all: the file is not in WAL mode yet
+    [job_id] = enqueue(db, ("noop", {}, 1))
+
+    async def scenario(engine: AsyncEngine) -> int:
+        holding = asyncio.Event()
+
+        async def app_writes() -> None:
+            async with aiosqlite.connect(path, isolation_level=None) as conn:
+                await conn.execute("BEGIN IMMEDIATE")
+                await conn.execute("INSERT INTO effects (job_id, attempt, event, pid) VALUES (0, 0, 'app', 0)")
+                holding.set()
+                await asyncio.sleep(1.0)
+                await conn.execute("COMMIT")
+
+        writer = asyncio.create_task(app_writes())
+        await holding.wait()
+        worker = AsyncWorker(engine, queue, concurrency=2, poll_interval=0.05)
+        await worker.run(burst=True)
+        await writer  # committed: the worker's retries let the loop run it
+        return worker.processed
+
+    assert run(db, scenario) == 1
+    assert states(db)[job_id] == ("finished", 1)
+    with db.engine.connect() as conn:
+        assert conn.exec_driver_sql("PRAGMA journal_mode").scalar() == "wal"
+    db.engine.dispose()

@@ -13,6 +13,7 @@ percentiles       computed in Python from one row per run
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -29,6 +30,8 @@ from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.util import await_only
+from sqlalchemy.util.concurrency import in_greenlet
 
 from ._unique import on_conflict_insert
 from .base import Claimed, Driver, IndexDefinition, run_times_in_python
@@ -39,6 +42,15 @@ log = logging.getLogger("sqla_jobs")
 
 #: How long a worker keeps trying to switch a busy database to WAL before it goes on without (seconds).
 WAL_SWITCH_WAIT = 30.0
+
+
+def _pause(seconds: float) -> None:
+    """Wait between tries; in the async worker's greenlet, on its event loop, so the app's own
+    coroutines (the writer we wait for, if it shares the loop) go on meanwhile."""
+    if in_greenlet():
+        await_only(asyncio.sleep(seconds))
+    else:
+        time.sleep(seconds)
 
 
 def _master(schema: str | None) -> str:
@@ -192,7 +204,7 @@ class SQLiteDriver(Driver):
                                     "the worker goes on without it (readers wait for writers)",
                                     engine.url.database, WAL_SWITCH_WAIT)
                         return
-                    time.sleep(0.05)
+                    _pause(0.05)
 
     def index_names(self, conn: Connection) -> set[str]:
         # Some SQLAlchemy versions leave SQLite expression indexes (the claim index) out of reflection.
