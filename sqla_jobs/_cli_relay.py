@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
-import threading
 from collections.abc import Callable
 from typing import Any
 
 from ._bootstrap import load_app, make_engine
+from ._signals import stop_signals
 from .errors import ConfigError
 
 __all__ = ["add_relay_parser"]
@@ -91,26 +90,16 @@ def target_from(args: argparse.Namespace) -> Any:
 def cmd_relay(args: argparse.Namespace) -> int:
     from .relay import Relay
 
-    # First: a SIGTERM/SIGINT while starting up is a stop too, not a kill (it is seen once the loop runs).
-    stopping = threading.Event()
-    relays: list[Relay] = []
-
-    def stop(*_: object) -> None:
-        stopping.set()
-        for relay in relays:
-            relay.stop()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, stop)
+    # First: a SIGTERM/SIGINT while starting up is a stop too, not a kill (it is seen once the relay exists).
+    signals = stop_signals()
     target = target_from(args)  # bad options fail before anything connects
     app = load_app(args.app)
     engine = make_engine(args.url, pool_size=2)
     app.check_schema(engine)
     relay = Relay(engine, app, target, queues=args.queues or ["relay"], batch=args.batch, lease=args.lease,
                   confirm_timeout=args.confirm_timeout, name=args.name, listen=not args.no_listen)
-    relays.append(relay)
-    if stopping.is_set():
-        relay.stop()
+    if signals is not None:  # a second signal exits at once; the jobs in flight go out again after their lease
+        signals.attach(f"relay {relay.name}", relay.stop)
     try:
         counts = relay.run(until_idle=args.until_idle)
     finally:

@@ -55,9 +55,19 @@ def _workers(db: Database, n: int, concurrency: int, logs: Path,
 def _stop(workers: list[subprocess.Popen[str]], logs: Path) -> None:
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
-    for i, worker in enumerate(workers):
-        worker.wait(timeout=120)
-        assert worker.returncode == 0, (logs / f"worker-{i}.log").read_text()[-3000:]
+    try:
+        for i, worker in enumerate(workers):
+            try:
+                worker.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"worker {i} did not stop within 120 s of SIGTERM: "
+                            f"{(logs / f'worker-{i}.log').read_text()[-3000:]}")
+            assert worker.returncode == 0, (logs / f"worker-{i}.log").read_text()[-3000:]
+    finally:
+        for worker in workers:  # none left running against a database the fixture drops
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
 
 
 def _enqueue(db: Database, jobs: list[dict[str, Any]]) -> None:
