@@ -1,4 +1,5 @@
-"""PostgreSQL: the claim reads the pending index in claim order, whatever the table's statistics say.
+"""The claim reads the pending index in claim order: on PostgreSQL whatever the table's statistics say, on
+MariaDB (no partial indexes) past a million finished rows.
 
 When the table's statistics do not know about a backlog (a young table has
 none; stale ones saw an idle queue), the default planner may read every
@@ -15,7 +16,7 @@ import uuid
 from typing import Any
 
 import pytest
-from sqlalchemy import Connection
+from sqlalchemy import Connection, event
 
 from tests import app
 from tests.conftest import Database
@@ -95,3 +96,35 @@ def test_the_planner_settings_end_with_the_claim(pg: Database) -> None:
         assert settings(conn) == ("on", "off")
         conn.exec_driver_sql("RESET enable_seqscan")
         conn.commit()
+
+
+def test_mariadb_claims_by_an_index_range_with_a_million_finished_rows(mariadb: Database) -> None:
+    """MariaDB has no partial index: the claim's index leads with ``state``, so the claim reads the pending
+    range in claim order and never the finished rows (issue 15, docs/howto/backends.md). The statement is the
+    one ``claim_batch`` sends, run again under ``ANALYZE``: the plan MariaDB really ran, with its row counts."""
+    driver = app.queue.driver(mariadb.engine)
+    with driver.write(mariadb.engine) as conn:
+        driver.bench_fill_finished(conn, 1_000_000)
+        driver.insert_many(conn, [{"kind": "noop", "queue": "default", "payload": "{}", "priority": 0,
+                                   "max_attempts": 5, "run_at": None} for _ in range(1000)])
+    sent: list[tuple[str, Any]] = []
+    with mariadb.engine.connect() as conn:
+        conn.exec_driver_sql("ANALYZE TABLE jobs")
+
+        def keep(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+            sent.append((statement, parameters))
+
+        event.listen(conn, "before_cursor_execute", keep)
+        jobs, _ = driver.claim_batch(conn, 10, "plan-test", uuid.uuid4().hex, 60.0, None, False)
+        event.remove(conn, "before_cursor_execute", keep)
+        conn.rollback()
+    assert len(jobs) == 10
+    statement, params = next((s, p) for s, p in sent if "SKIP LOCKED" in s)
+    with mariadb.engine.connect() as conn:
+        analyzed = json.loads(conn.exec_driver_sql("ANALYZE FORMAT=JSON " + statement, params).scalar_one())
+        conn.rollback()
+    text = json.dumps(analyzed)
+    (step,) = analyzed["query_block"]["nested_loop"]
+    table = step["table"]
+    assert table["key"] == "ix_jobs_pending" and "filesort" not in text, text
+    assert table["r_rows"] <= 20, text  # the batch and a few more, never the finished million
