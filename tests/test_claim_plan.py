@@ -24,10 +24,10 @@ from tests.conftest import Database
 BACKLOG = 30_000
 
 
-def enqueue_backlog(db: Database) -> None:
+def enqueue_backlog(db: Database, jobs: int = BACKLOG) -> None:
     driver = app.queue.driver(db.engine)
     rows = [{"kind": "noop", "queue": "default", "payload": json.dumps({}), "priority": 0, "max_attempts": 5,
-             "run_at": None} for _ in range(BACKLOG)]
+             "run_at": None} for _ in range(jobs)]
     with driver.write(db.engine) as conn:
         driver.insert_many(conn, rows)  # no ANALYZE afterwards, as after a burst on a young table
 
@@ -105,8 +105,7 @@ def test_mariadb_claims_by_an_index_range_with_a_million_finished_rows(mariadb: 
     driver = app.queue.driver(mariadb.engine)
     with driver.write(mariadb.engine) as conn:
         driver.bench_fill_finished(conn, 1_000_000)
-        driver.insert_many(conn, [{"kind": "noop", "queue": "default", "payload": "{}", "priority": 0,
-                                   "max_attempts": 5, "run_at": None} for _ in range(1000)])
+    enqueue_backlog(mariadb, 1000)
     sent: list[tuple[str, Any]] = []
     with mariadb.engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE TABLE jobs")

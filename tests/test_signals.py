@@ -251,3 +251,32 @@ def test_a_stop_signal_while_the_loop_holds_its_wake_up_lock_still_stops_it() ->
             continue
         assert proc.returncode == 0 and "stopped" in out, out
     assert not hung, f"{len(hung)} of 20 processes never stopped on SIGTERM"
+
+
+# The same wait in a child forked after StopSignals was installed: it inherits the handler, not the thread.
+_FORKED_WAIT = _SPINNING_WAIT.replace('_signals.stop_signals().attach("worker spin", stop)', """\
+signals = _signals.stop_signals()
+import os, sys
+if os.fork():
+    os._exit(0)  # the parent goes; the child, with the inherited handler, runs the loop
+signals.attach("worker spin", stop)""")
+
+
+def test_a_process_forked_after_the_handlers_were_installed_still_stops_on_a_signal() -> None:
+    """The handler only queues the signal; a forked child has no thread to take it from the queue unless
+    one is started after the fork (``os.register_at_fork``): without it the child would ignore SIGTERM."""
+    proc = subprocess.Popen([sys.executable, "-c", _FORKED_WAIT.replace('print("ready"', 'print(os.getpid(), "ready"')],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline().split()
+    assert line[1:] == ["ready"], line
+    child = int(line[0])
+    time.sleep(0.05)
+    os.kill(child, signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=10)  # the pipe closes when the child exits
+    except subprocess.TimeoutExpired:
+        os.kill(child, signal.SIGKILL)
+        out = proc.communicate()[0]
+        pytest.fail(f"the forked child did not stop on SIGTERM: {out}")
+    assert "stopped" in out, out
