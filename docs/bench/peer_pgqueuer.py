@@ -98,8 +98,12 @@ async def bulk_enqueue(queries: Queries, n: int) -> float:
     return n / (time.perf_counter() - start)
 
 
-async def queue_size(conn: asyncpg.Connection) -> int:
-    return int(await conn.fetchval(f"SELECT count(*) FROM {db_settings().queue_table}"))
+async def queue_left(conn: asyncpg.Connection) -> bool:
+    """Whether a job is still queued (pgqueuer deletes a job when it is done): the drain's completion check.
+
+    It stops at the first live row, like `sqla-jobs bench`'s; a count(*) read every queued row each 20 ms.
+    """
+    return bool(await conn.fetchval(f"SELECT EXISTS (SELECT FROM {db_settings().queue_table})"))
 
 
 async def drain(dsn: str, schema: str, queries: Queries, n: int, processes: int, batch: int,
@@ -119,7 +123,7 @@ async def drain(dsn: str, schema: str, queries: Queries, n: int, processes: int,
         await asyncio.sleep(0.5)  # let them reach their idle wait, as `sqla-jobs bench` does
         await queries.enqueue(["noop"] * n, [b"{}"] * n, [0] * n)
         start = time.perf_counter()
-        while await queue_size(watcher) > 0:
+        while await queue_left(watcher):
             if not all(p.is_alive() for p in procs):
                 raise RuntimeError("a pgqueuer worker process died during the drain (see its traceback above)")
             if time.perf_counter() - start > timeout:
