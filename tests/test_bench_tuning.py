@@ -1,0 +1,55 @@
+"""The two benches behind docs/performance.md's "Short jobs" section, run small against PostgreSQL.
+
+``docs/bench/batch_cost.py`` drives the worker's own finish-and-claim statement batch after batch and
+``docs/bench/cpu_split.py`` drains through ``sqla-jobs worker`` processes; both refuse to print a
+figure unless every job they enqueued ended finished, so these runs are also end-to-end checks of
+those paths. No speed is asserted (figures live in the docs, measured with the commands they give).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import PG_URL, ROOT, require_postgres
+
+BENCH = ROOT / "docs" / "bench"
+NUMBER = r"[\d,]+(?:\.\d+)?"
+
+
+def _run(tmp_path: Path, script: str, *args: str) -> str:
+    out = subprocess.run([sys.executable, str(BENCH / script), "--url", PG_URL, *args],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_batch_cost_prints_one_row_per_batch_size(tmp_path: Path) -> None:
+    require_postgres()
+    stdout = _run(tmp_path, "batch_cost.py", "--jobs", "605", "--batches", "8,50", "--runs", "1")
+    rows = re.findall(rf"^\| (\d+) \| ({NUMBER}) \| ({NUMBER}) \|$", stdout, re.M)
+    assert [r[0] for r in rows] == ["8", "50"], stdout
+    assert all(float(ms) > 0 and float(us) > 0 for _, ms, us in rows), stdout
+
+
+def test_batch_cost_refuses_a_backlog_too_small_to_time(tmp_path: Path) -> None:
+    require_postgres()
+    out = subprocess.run([sys.executable, str(BENCH / "batch_cost.py"), "--url", PG_URL, "--jobs", "10",
+                          "--batches", "8", "--runs", "1"],
+                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode != 0 and "too few batches of 8" in out.stderr, out.stdout + out.stderr
+
+
+def test_cpu_split_drains_through_the_cli_at_each_setting(tmp_path: Path) -> None:
+    require_postgres()
+    stdout = _run(tmp_path, "cpu_split.py", "--jobs", "2000", "--concurrency", "4,16", "--log-level", "WARNING,INFO",
+                  "--runs", "1")
+    rows = re.findall(rf"^\| 2x(\d+) \| (\w+) \| ({NUMBER}) \| ({NUMBER}) \| ({NUMBER}) \| (\d+)% \|$", stdout, re.M)
+    assert [(r[0], r[1]) for r in rows] == [("4", "WARNING"), ("4", "INFO"), ("16", "WARNING"), ("16", "INFO")], stdout
+    # The workers did the work: their CPU per job is above zero at every setting.
+    assert all(float(r[3]) > 0 for r in rows), stdout
