@@ -20,10 +20,14 @@ BENCH = ROOT / "docs" / "bench"
 NUMBER = r"[\d,]+(?:\.\d+)?"
 
 
+def _script(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(BENCH / script), "--url", PG_URL, *args],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def _run(tmp_path: Path, script: str, *args: str) -> str:
-    out = subprocess.run([sys.executable, str(BENCH / script), "--url", PG_URL, *args],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = _script(tmp_path, script, *args)
     assert out.returncode == 0, out.stdout + out.stderr
     return out.stdout
 
@@ -38,10 +42,7 @@ def test_batch_cost_prints_one_row_per_batch_size(tmp_path: Path) -> None:
 
 def test_batch_cost_refuses_a_backlog_too_small_to_time(tmp_path: Path) -> None:
     require_postgres()
-    out = subprocess.run([sys.executable, str(BENCH / "batch_cost.py"), "--url", PG_URL, "--jobs", "10",
-                          "--batches", "8", "--runs", "1"],
-                         capture_output=True, text=True, timeout=300, cwd=tmp_path,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = _script(tmp_path, "batch_cost.py", "--jobs", "10", "--batches", "8", "--runs", "1")
     assert out.returncode != 0 and "too few batches of 8" in out.stderr, out.stdout + out.stderr
 
 

@@ -64,8 +64,9 @@ def one_drain(url: str, jobs: int, processes: int, concurrency: int, log_level: 
                 raise SystemExit(f"a worker exited with {w.returncode} before the drain: {' '.join(cli)}")
         with Session(engine) as session, session.begin():
             bench.queue.enqueue_many(session, ({"kind": "noop", "payload": {}} for _ in range(jobs)))
-        workers_before, server_before, start = sum(cpu_seconds(w.pid) for w in workers), server_cpu_seconds(), \
-            time.perf_counter()
+        workers_before = sum(cpu_seconds(w.pid) for w in workers)
+        server_before = server_cpu_seconds()
+        start = time.perf_counter()
         while bench._any_unfinished(engine):
             time.sleep(0.02)
         elapsed = time.perf_counter() - start
