@@ -122,6 +122,8 @@ class AsyncWorker:
         self.engine = engine
         self.queue = queue
         self.sql: Driver = queue.driver(sync_engine)
+        if config.discards_finished:  # delete at finish what would be pruned at once
+            self.sql = self.sql.discarding_finished()
         self.name = config.worker_name
         self.concurrency = config.concurrency
         self.listen = config.listen and self.sql.supports_listen
@@ -229,9 +231,7 @@ class AsyncWorker:
         listener = self.sql.async_listener(self.engine, control.wake_from_database, self.name) if self.listen else None
         if listener is not None:
             listener.start()
-        slots = self.config.slots
-        log.info("worker %s started (async): concurrency %d%s, lease %gs", self.name, self.concurrency,
-                 f" ({', '.join(f'{q}={n}' for q, n in slots.items())})" if slots else "", self.config.lease)
+        log.info("worker %s started (async): %s", self.name, self.config.summary())
         try:
             control.run(burst)
         finally:

@@ -141,6 +141,12 @@ def _count_finished(engine: Engine) -> int:
         ).scalar_one()
 
 
+def _count_rows(engine: Engine) -> int:
+    """Every job in the table, whatever its state (a drain that discards finished jobs leaves none)."""
+    with engine.connect() as conn:
+        return conn.execute(select(func.count()).select_from(BenchJob)).scalar_one()
+
+
 def _count_unfinished(engine: Engine) -> int:
     """Pending plus running jobs: each count is served by its partial index, whatever else the table holds."""
     with engine.connect() as conn:
@@ -239,12 +245,13 @@ def enqueue_fast(engine: Engine, n: int) -> float:
 
 
 def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int, asynchronous: bool = False,
-                 vacuum_dead_rows: int | None = None) -> None:
+                 vacuum_dead_rows: int | None = None, discard_finished: bool = False) -> None:
     import logging
 
     logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
     # checked, and sizes the pool
-    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, vacuum_dead_rows=vacuum_dead_rows)
+    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, vacuum_dead_rows=vacuum_dead_rows,
+                          prune_after=0.0 if discard_finished else None)
     engine = create_engine(url, pool_size=config.pool_size)
     poll = 0.5 if queue.driver(engine).supports_listen else 0.02  # without LISTEN a worker polls
     config = dataclasses.replace(config, poll_interval=poll)
@@ -277,14 +284,18 @@ def _rss_mb(pid: int | None, field: str = "VmRSS") -> float:
 
 def drain(
     url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int, asynchronous: bool = False,
-    vacuum_dead_rows: int | None = None,
+    vacuum_dead_rows: int | None = None, discard_finished: bool = False,
 ) -> tuple[float, float, float, float]:
-    """Jobs/s, and the workers' largest RSS (MB): idle before, after, and peak during the drain."""
+    """Jobs/s, and the workers' largest RSS (MB): idle before, after, and peak during the drain.
+
+    ``discard_finished``: the workers keep no finished jobs (``prune_after=0``), each deleted as it finishes.
+    """
     ctx = mp.get_context("spawn")
     readies = [ctx.Event() for _ in range(processes)]
     rendered = url.render_as_string(hide_password=False)
     procs = [ctx.Process(target=_worker_main,
-                         args=(rendered, concurrency, r, batch_size, asynchronous, vacuum_dead_rows))
+                         args=(rendered, concurrency, r, batch_size, asynchronous, vacuum_dead_rows,
+                               discard_finished))
              for r in readies]
     for p in procs:
         p.start()
@@ -386,11 +397,16 @@ def run_bench(args: argparse.Namespace) -> int:
             if args.finished_rows:
                 _fill_finished(engine, args.finished_rows)
             finished_before = _count_finished(engine)
+            discard = getattr(args, "discard_finished", False)
             rate, idle_rss, after_rss, peak_rss = drain(
                 bench_url, engine, args.jobs, args.concurrency, args.processes, args.batch_size,
-                getattr(args, "use_async", False), getattr(args, "vacuum_dead_rows", None),
+                getattr(args, "use_async", False), getattr(args, "vacuum_dead_rows", None), discard,
             )
-            assert _count_finished(engine) - finished_before == args.jobs
+            # Every job ran to its end: finished, or (discarding) finished and deleted, nothing else left.
+            if discard:
+                assert _count_rows(engine) == finished_before, "the drain left or lost jobs"
+            else:
+                assert _count_finished(engine) - finished_before == args.jobs
             record("drain (jobs/s)", rate)
             record("worker RSS idle (MB)", idle_rss)
             record("worker RSS after drain (MB)", after_rss)
@@ -420,6 +436,7 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         flavour = "async worker, async no-op handlers" if getattr(args, "use_async", False) else "threaded worker"
         vacuum = f", vacuum at {args.vacuum_dead_rows} dead rows" if getattr(args, "vacuum_dead_rows", None) else ""
+        vacuum += ", finished jobs deleted" if getattr(args, "discard_finished", False) else ""
         print(f"\nsqla-jobs bench on {url.get_backend_name()} ({flavour}): {args.jobs} jobs, {args.processes} "
               f"process(es) x {args.concurrency} threads, batch {args.batch_size}{vacuum}, "
               f"median of {args.runs} run(s)")

@@ -55,7 +55,8 @@ the worker starts is a stop too: it returns 0 before its first claim.
 With ``prune_after`` (seconds; ``--prune-finished-older-than`` on the command
 line) the control loop also deletes finished and cancelled jobs older than
 that, one small batch at a time and one worker at a time (see
-docs/howto/operations.md).
+docs/howto/operations.md). With ``prune_after=0`` it keeps no finished jobs:
+each is deleted by the statement that finishes it (``Driver.discarding_finished``).
 
 Reaping and pruning are the elected worker's (``leader=True``, the default:
 ``sqla_jobs.leader``, renewed at each heartbeat, handed over on stop); with
@@ -141,6 +142,8 @@ class Worker:
         self.engine = engine
         self.queue = queue
         self.sql: Driver = queue.driver(engine)
+        if config.discards_finished:  # delete at finish what would be pruned at once
+            self.sql = self.sql.discarding_finished()
         self.name = config.worker_name
         # Kept as attributes: callers and older code read them.
         self.concurrency = config.concurrency
@@ -208,9 +211,7 @@ class Worker:
                 vacuumer.start()
             if signals is not None:
                 signals.attach(f"worker {self.name}", self.stop)
-            slots = self.config.slots
-            log.info("worker %s started: concurrency %d%s, lease %gs", self.name, self.concurrency,
-                     f" ({', '.join(f'{q}={n}' for q, n in slots.items())})" if slots else "", self.lease)
+            log.info("worker %s started: %s", self.name, self.config.summary())
             try:
                 self._control.run(burst)
             finally:

@@ -56,6 +56,11 @@ class WorkerConfig:
     heartbeat_every: float = field(init=False)
     worker_name: str = field(init=False)
 
+    @property
+    def discards_finished(self) -> bool:
+        """``prune_after=0``: a job is deleted as it finishes, in the same statement, not kept to be pruned."""
+        return self.prune_after == 0
+
     def __post_init__(self) -> None:
         def bad(setting: str, rule: str, value: object) -> ConfigError:
             return ConfigError(f"{setting} must be {rule}, got {value!r}")
@@ -117,6 +122,13 @@ class WorkerConfig:
     def slots(self) -> dict[str, int] | None:
         """Handler threads per queue, or None when all queues share ``concurrency``."""
         return dict(self.queue_slots) if self.queue_slots else None
+
+    def summary(self) -> str:
+        """The settings a worker's start line gives: ``concurrency 3 (default=2, emails=1), lease 60s``."""
+        slots = self.slots
+        per_queue = f" ({', '.join(f'{q}={n}' for q, n in slots.items())})" if slots else ""
+        deleted = ", finished jobs deleted as they finish" if self.discards_finished else ""
+        return f"concurrency {self.concurrency}{per_queue}, lease {self.lease:g}s{deleted}"
 
     @property
     def pool_size(self) -> int:

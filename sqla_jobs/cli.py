@@ -229,7 +229,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics on this port (needs sqla-jobs[prometheus])")
     p.add_argument("--metrics-addr", default="0.0.0.0", help="address for --metrics-port (default 0.0.0.0)")
     p.add_argument("--prune-finished-older-than", metavar="AGE",
-                   help="also delete finished/cancelled jobs older than AGE (e.g. 7d); one worker at a time")
+                   help="also delete finished/cancelled jobs older than AGE (e.g. 7d); one worker at a time. "
+                        "0: keep no finished jobs, each deleted as it finishes (faster)")
     p.add_argument("--vacuum-dead-rows", type=_positive(int), default=None, metavar="N",
                    help="PostgreSQL: VACUUM the jobs table once it holds N dead rows (e.g. 50000), for bursts "
                         "autovacuum is too slow for; one worker at a time (default: leave it to autovacuum)")
@@ -301,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure the async worker (sqla-jobs worker --async) with async def no-op handlers")
     p.add_argument("--vacuum-dead-rows", type=_positive(int), default=None, metavar="N",
                    help="the drain's workers run as `sqla-jobs worker --vacuum-dead-rows N` (PostgreSQL)")
+    p.add_argument("--discard-finished", action="store_true",
+                   help="the drain's workers run as `sqla-jobs worker --prune-finished-older-than 0`: each job "
+                        "is deleted as it finishes")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
     _common(p)

@@ -35,9 +35,19 @@ def _run(tmp_path: Path, script: str, *args: str) -> str:
 def test_batch_cost_prints_one_row_per_batch_size(tmp_path: Path) -> None:
     require_postgres()
     stdout = _run(tmp_path, "batch_cost.py", "--jobs", "605", "--batches", "8,50", "--runs", "1")
-    rows = re.findall(rf"^\| (\d+) \| ({NUMBER}) \| ({NUMBER}) \|$", stdout, re.M)
-    assert [r[0] for r in rows] == ["8", "50"], stdout
-    assert all(float(ms) > 0 and float(us) > 0 for _, ms, us in rows), stdout
+    rows = re.findall(rf"^\| (\d+) \| (\w+) \| ({NUMBER}) \| ({NUMBER}) \|$", stdout, re.M)
+    assert [r[:2] for r in rows] == [("8", "kept"), ("50", "kept")], stdout
+    assert all(float(ms) > 0 and float(us) > 0 for _, _, ms, us in rows), stdout
+
+
+def test_batch_cost_times_the_statement_that_deletes_what_it_finishes(tmp_path: Path) -> None:
+    """``--discard-finished``: both statements per batch size, and each pass's table checked (kept rows
+    all finished, deleted ones all gone) before a figure is printed."""
+    require_postgres()
+    stdout = _run(tmp_path, "batch_cost.py", "--jobs", "400", "--batches", "50", "--runs", "2",
+                  "--discard-finished")
+    rows = re.findall(rf"^\| (\d+) \| (\w+) \| ({NUMBER}) \| ({NUMBER}) \|$", stdout, re.M)
+    assert [r[:2] for r in rows] == [("50", "kept"), ("50", "deleted")], stdout
 
 
 def test_batch_cost_refuses_a_backlog_too_small_to_time(tmp_path: Path) -> None:

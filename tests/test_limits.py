@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from sqla_jobs import JobQueue
+from sqla_jobs import JobQueue, Worker
 from sqla_jobs.errors import ConfigError
 from tests import app, limits_app
 from tests.conftest import ROOT, Database
@@ -329,3 +329,23 @@ def test_the_limits_drain_benchmark_runs(tmp_path: Path) -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert turn.returncode == 0, turn.stderr
     assert "plain=True: 5 turns" in turn.stdout, turn.stdout
+
+
+@pytest.mark.parametrize("plain_only", [False, True], ids=["mixed", "plain"])
+def test_a_worker_that_keeps_no_finished_jobs_deletes_limited_ones_too(db: Database, plain_only: bool) -> None:
+    """``prune_after=0`` with limits: the finishes beside a limited claim delete too, on the portable path
+    (``mixed``: keyed and rate limits) and on PostgreSQL's one-pipeline claim of plain limits (``plain``)."""
+    limits_app.metadata.create_all(db.engine)
+    queue = limits_app.queue
+    if plain_only:
+        queue = JobQueue(app.Job, app.DeadJob, check_kinds=False)
+        queue.handler("capped", limit=2)(lambda payload: None)
+        queue.handler("free")(lambda payload: None)
+    _enqueue(db, [{"kind": "capped"} for _ in range(30)] + [{"kind": "free"} for _ in range(30)])
+    worker = Worker(db.engine, queue, concurrency=4, poll_interval=0.05, prune_after=0)
+    assert worker.sql.discard_finished
+    assert worker.run(burst=True, install_signals=False) == 0
+    with db.engine.connect() as conn:
+        assert conn.execute(select(func.count()).select_from(app.Job.__table__)).scalar() == 0
+        assert conn.execute(select(func.count()).select_from(app.DeadJob.__table__)).scalar() == 0
+    assert worker.processed == 60

@@ -230,6 +230,8 @@ def run_sqla_jobs(args: argparse.Namespace) -> dict[str, Any]:
                "--concurrency", str(concurrency), "--latency-samples", str(args.latency_samples), "--json"]
         if args.sqla_jobs_vacuum_dead_rows:
             cmd += ["--vacuum-dead-rows", str(args.sqla_jobs_vacuum_dead_rows)]
+        if args.sqla_jobs_discard_finished:
+            cmd += ["--discard-finished"]
         say(f"  sqla-jobs bench, {processes} process(es) x {concurrency} threads")
         # The bench drops its scratch schema itself, unless it is killed: then we do.
         proc_result = run_child(cmd, args.child_timeout,
@@ -384,6 +386,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sqla-jobs-vacuum-dead-rows", type=int, metavar="N",
                    help="sqla-jobs' drain workers VACUUM the jobs table at N dead rows (`--vacuum-dead-rows`); "
                         "pgqueuer has no such setting and is left to autovacuum")
+    p.add_argument("--sqla-jobs-discard-finished", action="store_true",
+                   help="sqla-jobs' drain workers keep no finished jobs (`--prune-finished-older-than 0`), as "
+                        "pgqueuer deletes each job from its queue table when it is done")
     p.add_argument("--pgqueuer-drain", default=DEFAULT_DRAIN["pgqueuer"],
                    help="PROCESSESxBATCH_SIZE settings for pgqueuer (default %(default)s)")
     p.add_argument("--soak", type=float, metavar="SECONDS",

@@ -35,7 +35,9 @@ write lock up front), ``skip_locked`` (pass over locked rows), ``prune_lock``,
 trips: PostgreSQL's ``pg_limits.py``);
 and, where the database has no ``UPDATE … RETURNING`` (MariaDB/MySQL), the
 writes the base class does with it: ``finish``, ``heartbeat``,
-``dead_letter``, ``requeue_dead``, ``prune_batch``.
+``dead_letter``, ``requeue_dead``, ``prune_batch``. A driver that writes its own
+``finish`` or fused ``finish_and_claim`` deletes the jobs instead of marking them
+finished when ``discard_finished`` is set (a worker with ``prune_after=0``).
 
 A backend is done when ``tests/drivers/`` (the conformance suite) passes
 unchanged with its name added to the backend list in ``tests/conftest.py``.

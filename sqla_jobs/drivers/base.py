@@ -16,6 +16,7 @@ Two rules hold for every write a worker makes after claiming:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -85,6 +86,21 @@ class Driver(Setup, Operations, Uniqueness, Flow):
         self.dead = dead
         #: The DBAPI module's name as SQLAlchemy knows it (``psycopg``, ``pysqlite``), when known.
         self.dbapi = dbapi
+        #: Finishing deletes the job instead of keeping it ``finished``: set on a worker's own copy
+        #: (``discarding_finished``) when it keeps no finished jobs (``prune_after=0``).
+        self.discard_finished = False
+
+    def discarding_finished(self) -> Driver:
+        """A copy of this driver whose ``finish`` (and fused finish-and-claim) deletes the jobs it finishes.
+
+        For a worker run with ``prune_after=0``: a finished row it would prune at once is never
+        written. One ``DELETE`` costs the server less than the ``UPDATE`` it replaces: no new row
+        version, no index entries, less to vacuum. The copy is the worker's alone; the app's
+        driver (admin, stats, other workers) is unchanged.
+        """
+        discarding = copy.copy(self)
+        discarding.discard_finished = True
+        return discarding
 
     # -- capabilities ----------------------------------------------------------
 
@@ -294,13 +310,12 @@ class Driver(Setup, Operations, Uniqueness, Flow):
         return {(r.id, r.claim_token) for r in conn.execute(stmt.returning(t.c.id, t.c.claim_token))}
 
     def finish(self, conn: Connection, fences: Sequence[Fence]) -> set[int]:
-        """Mark jobs finished; returns the ids that were still ours."""
+        """Mark jobs finished (with ``discard_finished``: delete them); returns the ids that were still ours."""
         if not fences:
             return set()
         t = self.jobs
-        stmt = update(t).where(self.fenced(fences)).values(
-            state="finished", finished_at=self.now(), lease_expires_at=None
-        )
+        stmt = (delete(t).where(self.fenced(fences)) if self.discard_finished else update(t).where(
+            self.fenced(fences)).values(state="finished", finished_at=self.now(), lease_expires_at=None))
         return set(conn.execute(stmt.returning(t.c.id)).scalars())
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:

@@ -330,11 +330,9 @@ class MySQLDriver(MySQLStats, Driver):
         held = self._lock_fenced(conn, fences)
         if held:
             t = self.jobs
-            conn.execute(
-                update(t)
-                .where(t.c.id.in_([r.id for r in held]))
-                .values(state="finished", finished_at=self.now(), lease_expires_at=None)
-            )
+            mine = t.c.id.in_([r.id for r in held])
+            conn.execute(delete(t).where(mine) if self.discard_finished else update(t).where(mine).values(
+                state="finished", finished_at=self.now(), lease_expires_at=None))
         return {r.id for r in held}
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:

@@ -74,11 +74,15 @@ __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_t
 # MATERIALIZED so exactly `limit` rows are locked; `claimed` takes them, except
 # jobs marked `isolate` (their worker was lost while they ran): an idle worker
 # (`alone`) takes the most urgent of those and nothing else; a busy one leaves
-# them and learns of them from the rows with `claimed` NULL.
+# them and learns of them from the rows with `claimed` NULL. A worker that keeps no finished
+# jobs (Driver.discarding_finished) deletes them in `done` instead.
+_PG_FINISH = {
+    False: "UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL\n    FROM",
+    True: "DELETE FROM {table} AS j USING",
+}
 _PG_FINISH_AND_CLAIM = """
 WITH done AS (
-    UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL
-    FROM (
+    {finish} (
         SELECT split_part(pair, ':', 1)::bigint AS id, split_part(pair, ':', 2) AS token
         FROM unnest(string_to_array(%(fences)s, ',')) AS pair
     ) AS f
@@ -117,15 +121,18 @@ class PostgreSQLDriver(PgVacuum, PgBench, PartitionedMode):
     def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
         super().__init__(jobs, dead, dbapi)
         self._channel = notify_channel(jobs)
-        # Eight variants: by queue or not; skipping limited kinds or not (the statement without limits
+        # Sixteen variants: by queue or not; skipping limited kinds or not (the statement without limits
         # is unchanged: kinds with limits are claimed by drivers/_limits.py in the same transaction);
         # a plain table or a partitioned one (pg_partitions), claimed from its live partition named
-        # directly: a state filter on the parent would let the planner walk the pending index in the UPDATE.
-        self._pg_hot = {(by_queue, skip, parted): _PG_FINISH_AND_CLAIM.format(
-            table=pg_name(jobs), live=pg_partitions.live_name(jobs) if parted else pg_name(jobs),
+        # directly: a state filter on the parent would let the planner walk the pending index in the UPDATE;
+        # finishing by UPDATE or, for a worker that keeps no finished jobs, by DELETE.
+        self._pg_hot = {(by_queue, skip, parted, discard): _PG_FINISH_AND_CLAIM.format(
+            finish=_PG_FINISH[discard].format(table=pg_name(jobs)),
+            live=pg_partitions.live_name(jobs) if parted else pg_name(jobs),
             queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else "",
             skip_filter=" AND kind <> ALL(%(skip)s::text[])" if skip else "",
-        ) for by_queue in (False, True) for skip in (False, True) for parted in (False, True)}
+        ) for by_queue in (False, True) for skip in (False, True) for parted in (False, True)
+            for discard in (False, True)}
 
     @property
     def supports_listen(self) -> bool:
@@ -304,7 +311,8 @@ class PostgreSQLDriver(PgVacuum, PgBench, PartitionedMode):
         # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
         # result machinery was a fifth of the worker's time. Errors are wrapped
         # back into SQLAlchemy's, which is what the worker's retry loop expects.
-        sql = self._pg_hot[bool(queues), bool(skip_kinds), pg_partitions.is_partitioned(conn, self.jobs)]
+        sql = self._pg_hot[bool(queues), bool(skip_kinds), pg_partitions.is_partitioned(conn, self.jobs),
+                           self.discard_finished]
         if not conn.in_transaction():
             # SQLAlchemy does not see what the driver cursor runs: without this its commit
             # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
@@ -362,7 +370,7 @@ class PostgreSQLDriver(PgVacuum, PgBench, PartitionedMode):
 
     def _pg_hot_for(self, conn: Connection, queues: Sequence[str] | None) -> str:
         """The worker's claim statement skipping the limited kinds."""
-        return self._pg_hot[bool(queues), True, pg_partitions.is_partitioned(conn, self.jobs)]
+        return self._pg_hot[bool(queues), True, pg_partitions.is_partitioned(conn, self.jobs), self.discard_finished]
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """COPY, the fastest way in."""

@@ -96,3 +96,27 @@ def test_finish_and_claim_finishes_fenced_jobs_and_claims(backend: Backend) -> N
     assert backend.row(done[0].id).state == "running"
     assert backend.row(done[1].id).state == "finished"
     assert backend.row(done[1].id).finished_at is not None
+
+
+def test_a_discarding_copy_deletes_the_fenced_jobs_it_finishes(backend: Backend) -> None:
+    """``Driver.discarding_finished`` (a worker with ``prune_after=0``): the fused finish-and-claim and the
+    plain ``finish`` delete what they finish, fenced as ever; the app's own driver still keeps them."""
+    done = backend.claim(3) if backend.insert(3, run_at=PAST) else []
+    waiting = backend.insert(2, run_at=PAST)
+    discarding = backend.driver.discarding_finished()
+    assert discarding.discard_finished and not backend.driver.discard_finished
+    token = uuid.uuid4().hex
+    stale = (done[0].id, "not-the-token")
+    finished, claimed, _ = in_write(backend, lambda conn: discarding.finish_and_claim(
+        conn, [done[1].fence, stale], 5, "conformance", token, 60.0, None))
+    assert finished == {done[1].id}
+    assert {j.id for j in claimed} == set(waiting)
+    assert backend.row(done[1].id) is None  # deleted, not kept finished
+    assert backend.row(done[0].id).state == "running"  # a stale fence deletes nothing
+    assert in_write(backend, lambda conn: discarding.finish(conn, [done[0].fence, (done[2].id, "stale")])) == {
+        done[0].id}
+    assert backend.row(done[0].id) is None and backend.row(done[2].id).state == "running"
+    assert in_write(backend, lambda conn: backend.driver.finish(conn, [done[2].fence])) == {done[2].id}
+    assert backend.row(done[2].id).state == "finished"  # the app's driver keeps them
+    assert sorted(j.id for j in claimed) == sorted(
+        r.id for r in (backend.row(i) for i in waiting) if r.state == "running")
