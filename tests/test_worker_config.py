@@ -65,20 +65,22 @@ def test_a_pool_that_fits_is_not_reported(db: Database, caplog: pytest.LogCaptur
 
 def test_prune_after_zero_deletes_finished_jobs_and_keeps_every_other_outcome(db: Database) -> None:
     """``prune_after=0``: the worker holds a discarding copy of the driver (the app's is unchanged) and
-    names the setting in its start line; successes (plain, with a result, transactional, after a retry)
-    leave no row, while a cancelled job stays ``cancelled`` and one that failed for good is dead-lettered."""
+    names the setting in its start line; successes (plain, with a result, transactional with and without
+    one, after a retry) leave no row, while a cancelled job stays ``cancelled`` and one that failed for
+    good is dead-lettered."""
     assert Worker(db.engine, app.queue, prune_after=0).sql.discard_finished
     assert not Worker(db.engine, app.queue, prune_after=60).sql.discard_finished
     assert not app.queue.driver(db.engine).discard_finished
     assert "finished jobs deleted as they finish" in Worker(db.engine, app.queue, prune_after=0).config.summary()
     assert "deleted" not in Worker(db.engine, app.queue).config.summary()
     succeeding = [enqueue(db.engine, "noop"), enqueue(db.engine, "result_value", {"value": 42}),
-                  enqueue(db.engine, "once"), enqueue(db.engine, "flaky", {"succeed_on": 2})]
+                  enqueue(db.engine, "once"), enqueue(db.engine, "result_tx"),
+                  enqueue(db.engine, "flaky", {"succeed_on": 2})]
     cancelled = enqueue(db.engine, "cancel")
     failing = enqueue(db.engine, "fail", max_attempts=1)
     run_burst(db.engine, prune_after=0)  # the test app retries at once (Backoff(base=0))
     assert count(db.engine, app.Job, app.Job.id.in_(succeeding)) == 0
-    assert count(db.engine, app.Once) == 1
+    assert count(db.engine, app.Once) == 2  # the transactional handlers' writes committed with their deletes
     assert count(db.engine, app.Job, app.Job.id == cancelled, app.Job.state == "cancelled") == 1
     assert count(db.engine, app.DeadJob, app.DeadJob.id == failing) == 1
     assert count(db.engine, app.Job) == 1  # the cancelled job alone (pruned later, as before)

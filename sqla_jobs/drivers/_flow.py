@@ -28,6 +28,7 @@ class Flow:
     """``set_results``, ``set_progress``, ``cancel_requests``, ``result_of``."""
 
     jobs: Table
+    discard_finished: bool
 
     def fenced(self, fences: Sequence[Fence]) -> ColumnElement[bool]:
         raise NotImplementedError
@@ -38,7 +39,12 @@ class Flow:
         return and_(t.c.id == bindparam("f_id"), t.c.claim_token == bindparam("f_token"), t.c.state == "running")
 
     def set_results(self, conn: Connection, rows: Sequence[ResultRow]) -> None:
-        """Store each run's result and/or last progress while it is still ours (then ``finish`` it)."""
+        """Store each run's result and/or last progress while it is still ours (then ``finish`` it).
+
+        Nothing to store where ``finish`` deletes the jobs (``discard_finished``): the row goes next.
+        """
+        if self.discard_finished:
+            return
         t = self.jobs
         # One executemany per set of columns written: a None leaves its column as it is.
         groups: dict[tuple[str, ...], list[dict[str, Any]]] = {}

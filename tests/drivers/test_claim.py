@@ -100,7 +100,8 @@ def test_finish_and_claim_finishes_fenced_jobs_and_claims(backend: Backend) -> N
 
 def test_a_discarding_copy_deletes_the_fenced_jobs_it_finishes(backend: Backend) -> None:
     """``Driver.discarding_finished`` (a worker with ``prune_after=0``): the fused finish-and-claim and the
-    plain ``finish`` delete what they finish, fenced as ever; the app's own driver still keeps them."""
+    plain ``finish`` delete what they finish, fenced as ever, and store no result first; the app's own
+    driver still keeps them."""
     done = backend.claim(3) if backend.insert(3, run_at=PAST) else []
     waiting = backend.insert(2, run_at=PAST)
     discarding = backend.driver.discarding_finished()
@@ -116,6 +117,9 @@ def test_a_discarding_copy_deletes_the_fenced_jobs_it_finishes(backend: Backend)
     assert in_write(backend, lambda conn: discarding.finish(conn, [done[0].fence, (done[2].id, "stale")])) == {
         done[0].id}
     assert backend.row(done[0].id) is None and backend.row(done[2].id).state == "running"
+    # A result for a job about to be deleted is not written (set_results comes just before finish).
+    in_write(backend, lambda conn: discarding.set_results(conn, [(done[2].fence, {"kept": False}, None)]))
+    assert backend.row(done[2].id).result is None
     assert in_write(backend, lambda conn: backend.driver.finish(conn, [done[2].fence])) == {done[2].id}
     assert backend.row(done[2].id).state == "finished"  # the app's driver keeps them
     assert sorted(j.id for j in claimed) == sorted(
