@@ -9,14 +9,16 @@ dropped at the end; SQLite: a scratch file beside the one in ``--url``) and
 measures, each ``--runs`` times, reporting the median:
 
 * enqueue, one job per transaction (``session.add`` + commit), next to the same
-  insert as raw SQL on the same connection, for the overhead ratio;
+  insert as raw SQL on the same connection, for the overhead ratio, and through the
+  DBAPI driver alone (the ceiling of any layer on that driver);
 * enqueue, ``session.add_all`` of ``--jobs`` jobs in one transaction, and the same
   for a plain mapped class on the same table (no validators, events or constructor of
   sqla-jobs: what SQLAlchemy's unit of work costs alone, the floor);
 * enqueue inside a request: what one job adds to a transaction that already writes a
   business row, through the Session and as a raw ``INSERT`` on the Session's connection
   (microseconds per transaction; the three kinds of transaction take turns in blocks);
-* enqueue, ``queue.enqueue_many`` (COPY on PostgreSQL) of ``--jobs`` jobs;
+* enqueue, ``queue.enqueue_many`` (COPY on PostgreSQL) of ``--jobs`` jobs
+  (each way is timed in ``sqla_jobs._bench_enqueue``; the app is ``sqla_jobs._bench_app``);
 * drain: ``--processes`` worker processes of ``--concurrency`` threads each,
   idle and listening, then ``--jobs`` no-op jobs committed at once; the rate is
   jobs divided by the time from that commit until the last one is finished;
@@ -47,77 +49,26 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine, Integer, MetaData, String, create_engine, exists, func, select, text
+from sqlalchemy import Engine, create_engine, exists, func, select
 from sqlalchemy.engine import URL
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, registry
+from sqlalchemy.orm import Session
 
 from ._aio_worker import AsyncWorker
-from ._app import JobQueue
-from ._backoff import Backoff
+from ._bench_app import BenchDeadJob, BenchJob, BenchOrder, PlainJob, picked_event, picked_up, queue
+from ._bench_enqueue import (
+    driver_single,
+    enqueue_add_all,
+    enqueue_beside_business_row,
+    enqueue_fast,
+    enqueue_single,
+)
 from ._bootstrap import database_url, make_async_engine, make_engine, missing_database
-from ._models import DeadJobMixin, JobMixin
 from ._worker import Worker
 from ._worker_config import WorkerConfig
 from .drivers import driver_class
 
-__all__ = ["run_bench"]
-
-
-class _Base(DeclarativeBase):
-    metadata = MetaData()
-
-
-class BenchJob(JobMixin, _Base):
-    __tablename__ = "jobs"
-
-
-class BenchDeadJob(DeadJobMixin, _Base):
-    __tablename__ = "dead_jobs"
-
-
-class BenchOrder(_Base):
-    """The business row of the enqueue-inside-a-request figure."""
-
-    __tablename__ = "bench_orders"
-    id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    note: Mapped[str] = mapped_column(String(64))
-
-
-class PlainJob:
-    """The floor of ``add_all``: the jobs table mapped bare, as an app without sqla-jobs' model would."""
-
-    def __init__(self, **fields: Any) -> None:
-        for key, value in fields.items():
-            setattr(self, key, value)
-
-
-registry().map_imperatively(PlainJob, BenchJob.__table__)
-
-queue: JobQueue[BenchJob, BenchDeadJob] = JobQueue(BenchJob, BenchDeadJob, backoff=Backoff(base=0))
-_picked_up: dict[int, float] = {}
-_picked_event = threading.Event()
-
-
-@queue.handler("noop")
-def noop(payload: dict[str, Any]) -> None:
-    pass
-
-
-@queue.handler("ping")
-def ping(payload: dict[str, Any]) -> None:
-    _picked_up[payload["n"]] = time.perf_counter()
-    _picked_event.set()
-
-
-@queue.handler("async_noop")
-async def async_noop(payload: dict[str, Any]) -> None:
-    pass
-
-
-@queue.handler("async_ping")
-async def async_ping(payload: dict[str, Any]) -> None:
-    _picked_up[payload["n"]] = time.perf_counter()
-    _picked_event.set()
+# The bench app, for scripts and `--app sqla_jobs._bench:queue`.
+__all__ = ["BenchDeadJob", "BenchJob", "queue", "run_bench"]
 
 
 # -- scratch database --------------------------------------------------------------
@@ -129,7 +80,7 @@ def scratch(url: URL) -> contextlib.AbstractContextManager[URL]:
 
 
 def _reset(engine: Engine) -> None:
-    _Base.metadata.drop_all(engine)
+    BenchJob.metadata.drop_all(engine)
     queue.create_tables(engine)
     BenchOrder.__table__.create(engine)
 
@@ -177,71 +128,6 @@ def _fill_finished(engine: Engine, rows: int) -> None:
 
 
 # -- measurements --------------------------------------------------------------------
-
-
-def enqueue_single(engine: Engine, n: int) -> tuple[float, float]:
-    """Jobs/s for one ORM job per transaction, and for the same insert in raw SQL."""
-    start = time.perf_counter()
-    for i in range(n):
-        with Session(engine) as session, session.begin():
-            session.add(BenchJob(kind="noop", payload={"i": i}))
-    orm = n / (time.perf_counter() - start)
-    sql = _raw_insert()
-    start = time.perf_counter()
-    with engine.connect() as conn:
-        for i in range(n):
-            conn.execute(sql, {"p": json.dumps({"i": i})})
-            conn.commit()
-    raw = n / (time.perf_counter() - start)
-    return orm, raw
-
-
-def _raw_insert() -> Any:
-    return text(f"INSERT INTO {BenchJob.__table__.name} (kind, payload) VALUES ('noop', :p)")
-
-
-def enqueue_add_all(engine: Engine, n: int, model: Any = BenchJob) -> float:
-    start = time.perf_counter()
-    with Session(engine) as session, session.begin():
-        session.add_all([model(kind="noop", payload={"i": i}) for i in range(n)])
-    return n / (time.perf_counter() - start)
-
-
-def enqueue_beside_business_row(engine: Engine, n: int) -> dict[str, float]:
-    """Microseconds one job adds to a transaction that writes a business row, by how it is written.
-
-    ``job``: ``session.add(Job(...))``; ``plain``: the same row through the bare
-    mapping (the floor); ``raw``: an ``INSERT`` on the Session's connection. The
-    kinds of transaction (and the business row alone) take turns in blocks of 50,
-    each kind first in turn, so that a slow patch of a shared machine falls on all alike.
-    """
-    sql = _raw_insert()
-    kinds = ("alone", "job", "plain", "raw")
-    spent = dict.fromkeys(kinds, 0.0)
-    block = 50
-    rounds = max(1, n // block)
-    for r in range(rounds):
-        for kind in kinds[r % 4:] + kinds[:r % 4]:
-            start = time.perf_counter()
-            for i in range(r * block, (r + 1) * block):
-                with Session(engine) as session, session.begin():
-                    session.add(BenchOrder(note="order"))
-                    if kind == "job":
-                        session.add(BenchJob(kind="noop", payload={"i": i}))
-                    elif kind == "plain":
-                        session.add(PlainJob(kind="noop", payload={"i": i}))
-                    elif kind == "raw":
-                        session.connection().execute(sql, {"p": json.dumps({"i": i})})
-            spent[kind] += time.perf_counter() - start
-    per = 1e6 / (rounds * block)
-    return {kind: (spent[kind] - spent["alone"]) * per for kind in kinds[1:]}
-
-
-def enqueue_fast(engine: Engine, n: int) -> float:
-    start = time.perf_counter()
-    with Session(engine) as session, session.begin():
-        queue.enqueue_many(session, ({"kind": "noop", "payload": {"i": i}} for i in range(n)))
-    return n / (time.perf_counter() - start)
 
 
 def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int, asynchronous: bool = False,
@@ -349,13 +235,13 @@ def pickup_latency(engine: Engine, samples: int, asynchronous: bool = False) -> 
     time.sleep(1.0)
     latencies = []
     for i in range(samples):
-        _picked_event.clear()
+        picked_event.clear()
         with Session(engine) as session, session.begin():
             session.add(BenchJob(kind="async_ping" if asynchronous else "ping", payload={"n": i}))
         committed = time.perf_counter()
-        if not _picked_event.wait(10):
+        if not picked_event.wait(10):
             raise RuntimeError("a job was not picked up within 10 s")
-        latencies.append((_picked_up[i] - committed) * 1000)
+        latencies.append((picked_up[i] - committed) * 1000)
         time.sleep(0.01)
     stop()
     thread.join(30)
@@ -379,9 +265,11 @@ def run_bench(args: argparse.Namespace) -> int:
         engine = create_engine(bench_url, pool_size=10)
         for run in range(args.runs):
             _reset(engine)
-            single, raw = enqueue_single(engine, min(args.jobs, 2000))
+            singles = min(args.jobs, 2000)
+            single, raw = enqueue_single(engine, singles)
             record("enqueue one per transaction (jobs/s)", single)
             record("raw SQL insert one per transaction (jobs/s)", raw)
+            record("driver alone, one per transaction (jobs/s)", driver_single(engine, singles))
             _reset(engine)
             record("enqueue add_all (jobs/s)", enqueue_add_all(engine, args.jobs))
             _reset(engine)
@@ -441,7 +329,7 @@ def run_bench(args: argparse.Namespace) -> int:
               f"process(es) x {args.concurrency} threads, batch {args.batch_size}{vacuum}, "
               f"median of {args.runs} run(s)")
         for name, value in summary.items():
-            print(f"  {name:<45} {value:>12,.2f}")
+            print(f"  {name:<53} {value:>12,.2f}")
     return 0
 
 

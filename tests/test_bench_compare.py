@@ -7,8 +7,10 @@ installed (the peers, which need pip and the network, are left out here).
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import uuid
@@ -103,8 +105,8 @@ def test_compare_end_to_end_without_peers(tmp_path: Path) -> None:
     assert set(report["systems"]) == {"sqla-jobs", "raw"}
     sq = report["systems"]["sqla-jobs"]["medians"]
     assert sq["drain"].keys() == {"1x2"} and sq["drain_best"] > 0
-    for key in ("single_enqueue", "bulk_enqueue", "bulk_enqueue_floor", "enqueue_many", "pickup_p50_ms",
-                "pickup_p95_ms"):
+    for key in ("single_enqueue", "single_driver", "bulk_enqueue", "bulk_enqueue_floor", "enqueue_many",
+                "pickup_p50_ms", "pickup_p95_ms"):
         assert sq[key] > 0, key
     # Differences of times on a shared machine: only their presence is certain.
     assert all(isinstance(sq[key], float) for key in ("business_job_us", "business_plain_us", "business_raw_us"))
@@ -149,3 +151,16 @@ def test_results_parse_and_medians() -> None:
     assert medians["drain"] == {"1x1": 6.0, "2x1": 2.0}
     assert (medians["drain_best"], medians["drain_best_setting"]) == (6.0, "1x1")  # best of the medians
     assert compare.libpq_dsn("postgresql+psycopg://u@h:5432/d") == "postgresql://u@h:5432/d"
+
+
+def test_the_drivers_own_transaction_is_shown_against_pgqueuers_single_enqueue() -> None:
+    """The ceiling line: psycopg's BEGIN + INSERT + COMMIT (``sqla-jobs bench``'s "driver alone") over
+    pgqueuer's single enqueue, printed beside the targets, and only when both were measured."""
+    compare = load_compare()
+    args = argparse.Namespace(jobs=10, runs=1)
+    sqla_jobs = compare.System("sqla-jobs", runs=[{"single_enqueue": 900.0, "single_driver": 1800.0}])
+    pgqueuer = compare.System("pgqueuer", runs=[{"single_enqueue": 2000.0}])
+    text, _ = compare.render({"sqla-jobs": sqla_jobs, "pgqueuer": pgqueuer}, args)
+    assert re.search(r"ceiling: psycopg alone, BEGIN \+ INSERT \+ COMMIT / pgqueuer single +0\.90\)", text), text
+    text, _ = compare.render({"sqla-jobs": sqla_jobs}, args)
+    assert "ceiling: psycopg alone" not in text

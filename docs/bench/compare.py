@@ -68,6 +68,7 @@ SQLA_JOBS_KEYS = {
     "raw INSERT added to a business transaction (us)": "business_raw_us",
     "enqueue_many (jobs/s)": "enqueue_many",
     "raw SQL insert one per transaction (jobs/s)": "bench_raw_single_insert",
+    "driver alone, one per transaction (jobs/s)": "single_driver",
     "pickup p50 (ms)": "pickup_p50_ms",
     "pickup p95 (ms)": "pickup_p95_ms",
     "worker peak RSS (MB)": "worker_peak_rss_mb",
@@ -279,10 +280,11 @@ def fmt(value: Any, digits: int = 0) -> str:
     return "—" if not isinstance(value, (int, float)) else f"{value:,.{digits}f}"
 
 
-def ratios(sq: dict[str, Any], raw: dict[str, Any], pgq: dict[str, Any]) -> list[dict[str, Any]]:
-    def ratio(a: Any, b: Any) -> float | None:
-        return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
+def ratio(a: Any, b: Any) -> float | None:
+    return a / b if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b else None
 
+
+def ratios(sq: dict[str, Any], raw: dict[str, Any], pgq: dict[str, Any]) -> list[dict[str, Any]]:
     rows = [
         ("sqla-jobs drain / pgqueuer best drain", ratio(sq.get("drain_best"), pgq.get("drain_best")), 2.0),
         ("sqla-jobs drain / raw claim-100 ceiling", ratio(sq.get("drain_best"), raw.get("claim100_drain")), 0.4),
@@ -354,6 +356,11 @@ def render(systems: dict[str, System], args: argparse.Namespace) -> tuple[str, l
         digits = 0 if c["target"] >= 100 else 2
         out.append(f"  {c['name']:<52} {fmt(c['value'], digits):>10}  target >= {fmt(c['target'], digits):<8} "
                    f"{verdict}")
+    ceiling = ratio(sq.get("single_driver"), pgq.get("single_enqueue"))
+    if ceiling is not None:
+        # A Session's transaction is the driver's BEGIN, INSERT and COMMIT plus SQLAlchemy's work, so it
+        # cannot beat the driver alone: below 1 here, the single-enqueue target is out of any ORM's reach.
+        out.append(f"  (ceiling: psycopg alone, BEGIN + INSERT + COMMIT / pgqueuer single {fmt(ceiling, 2):>8})")
     errors = [f"  {name}: {s.error}" for name, s in systems.items() if s.error]
     if errors:
         out.append("\nFailures (left out above or partial):")
