@@ -90,7 +90,7 @@ class AsyncWorker:
         heartbeat: float | None = None,
         poll_interval: float = 1.0,
         grace: float = 30.0,
-        batch_size: int = 100,
+        batch_size: int | None = None,
         flush_interval: float = 0.002,
         listen: bool = True,
         name: str | None = None,

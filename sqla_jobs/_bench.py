@@ -130,7 +130,7 @@ def _fill_finished(engine: Engine, rows: int) -> None:
 # -- measurements --------------------------------------------------------------------
 
 
-def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int, asynchronous: bool = False,
+def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int | None, asynchronous: bool = False,
                  vacuum_dead_rows: int | None = None, discard_finished: bool = False) -> None:
     import logging
 
@@ -169,8 +169,8 @@ def _rss_mb(pid: int | None, field: str = "VmRSS") -> float:
 
 
 def drain(
-    url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int, asynchronous: bool = False,
-    vacuum_dead_rows: int | None = None, discard_finished: bool = False,
+    url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int | None,
+    asynchronous: bool = False, vacuum_dead_rows: int | None = None, discard_finished: bool = False,
 ) -> tuple[float, float, float, float]:
     """Jobs/s, and the workers' largest RSS (MB): idle before, after, and peak during the drain.
 
@@ -326,7 +326,7 @@ def run_bench(args: argparse.Namespace) -> int:
         vacuum = f", vacuum at {args.vacuum_dead_rows} dead rows" if getattr(args, "vacuum_dead_rows", None) else ""
         vacuum += ", finished jobs deleted" if getattr(args, "discard_finished", False) else ""
         print(f"\nsqla-jobs bench on {url.get_backend_name()} ({flavour}): {args.jobs} jobs, {args.processes} "
-              f"process(es) x {args.concurrency} threads, batch {args.batch_size}{vacuum}, "
+              f"process(es) x {args.concurrency} threads, batch {args.batch_size or args.concurrency}{vacuum}, "
               f"median of {args.runs} run(s)")
         for name, value in summary.items():
             print(f"  {name:<53} {value:>12,.2f}")

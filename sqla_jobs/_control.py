@@ -175,7 +175,7 @@ class Control:
             return False
         return (
             self.stopping
-            or len(self._unwritten) >= self.config.batch_size
+            or len(self._unwritten) >= self.config.claim_limit
             or now - self._unwritten_since >= self.config.flush_interval
             or not self.executor.live_count  # every running job is done
         )
@@ -208,7 +208,7 @@ class Control:
             return []
         slots = self.config.slots
         if slots is None:
-            return [(None, min(self.config.concurrency - len(self.executor.running), self.config.batch_size))]
+            return [(None, min(self.config.concurrency - len(self.executor.running), self.config.claim_limit))]
         if self.notified:
             self.notified = False
             self._empty_until.clear()
@@ -217,7 +217,7 @@ class Control:
         for name, count in slots.items():
             free = count - running_in.get(name, 0)
             if free > 0 and (free * 2 >= count or not running_in.get(name)) and now >= self._empty_until.get(name, 0.0):
-                claims.append(([name], min(free, self.config.batch_size)))
+                claims.append(([name], min(free, self.config.claim_limit)))
         return claims
 
     def _should_prune(self, now: float) -> bool:

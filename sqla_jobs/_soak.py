@@ -77,7 +77,7 @@ class SoakSettings:
     rate: float | None  # None: as fast as the producer can
     processes: int
     concurrency: int
-    batch_size: int
+    batch_size: int | None  # None: the worker's default (its concurrency)
     window: float
     prune_after: float | None  # None: keep finished jobs
     vacuum_every: float | None  # None: leave dead rows to autovacuum
@@ -119,7 +119,7 @@ class SoakSettings:
 # -- worker processes -----------------------------------------------------------------
 
 
-def _worker_main(url: str, concurrency: int, batch_size: int, ready: Any, starts: Any) -> None:
+def _worker_main(url: str, concurrency: int, batch_size: int | None, ready: Any, starts: Any) -> None:
     """One worker process; its handlers' start times go to ``starts`` twice a second and at the end."""
     import logging
 

@@ -114,7 +114,7 @@ class Worker:
         heartbeat: float | None = None,
         poll_interval: float = 1.0,
         grace: float = 30.0,
-        batch_size: int = 100,
+        batch_size: int | None = None,
         flush_interval: float = 0.002,
         listen: bool = True,
         name: str | None = None,
@@ -150,7 +150,7 @@ class Worker:
         self.queues = config.queues
         self.poll_interval = config.poll_interval
         self.grace = config.grace
-        self.batch_size = config.batch_size
+        self.batch_size = config.claim_limit
         self.flush_interval = config.flush_interval
         self.prune_after = config.prune_after
         self.lease = config.lease

@@ -45,7 +45,7 @@ class WorkerConfig:
     heartbeat: float | None = None  # None: lease / 3
     poll_interval: float = 1.0
     grace: float = 30.0
-    batch_size: int = 100
+    batch_size: int | None = None  # None: as many as the worker has threads (see claim_limit)
     flush_interval: float = 0.002
     listen: bool = True
     name: str | None = None  # "{pid}" becomes the process id; None: HOST:PID:RANDOM
@@ -75,7 +75,7 @@ class WorkerConfig:
             raise bad("poll_interval", "> 0 seconds", self.poll_interval)
         if not self.grace >= 0:
             raise bad("grace", ">= 0 seconds", self.grace)
-        if self.batch_size < 1:
+        if self.batch_size is not None and (isinstance(self.batch_size, bool) or self.batch_size < 1):
             raise bad("batch_size", "at least 1", self.batch_size)
         if not self.flush_interval >= 0:
             raise bad("flush_interval", ">= 0 seconds", self.flush_interval)
@@ -117,6 +117,16 @@ class WorkerConfig:
                               "left out: with per-queue slots each queue has its own threads")
         object.__setattr__(self, "queue_slots", slots)
         object.__setattr__(self, "queues", tuple(names))
+
+    @property
+    def claim_limit(self) -> int:
+        """Most jobs one claim takes, and how many finished runs fill a batch to write at once.
+
+        ``batch_size``, or by default the worker's ``concurrency``: a claim never takes more
+        than the threads that are free, so the default caps nothing, and the larger the batch
+        the less each job costs the database's round trip (docs/performance.md, "Short jobs").
+        """
+        return self.concurrency if self.batch_size is None else self.batch_size
 
     @property
     def slots(self) -> dict[str, int] | None:

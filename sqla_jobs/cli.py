@@ -274,7 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, default=10_000, help="jobs per measurement (default 10000)")
     p.add_argument("--concurrency", type=int, default=64, help="threads per worker process (default 64)")
     p.add_argument("--processes", type=int, default=2, help="worker processes for the drain (default 2)")
-    p.add_argument("--batch-size", type=int, default=100, help="most jobs one claim takes (default 100)")
+    p.add_argument("--batch-size", type=_positive(int), default=None,
+                   help="most jobs one claim takes (default: --concurrency, as sqla-jobs worker does)")
     p.add_argument("--runs", type=int, default=3, help="repeat and report medians (default 3)")
     p.add_argument("--latency-samples", type=int, default=200,
                    help="jobs enqueued one at a time to measure pickup latency")

@@ -4,9 +4,11 @@ caller whose engine pool is too small for its concurrency is told so."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, select
+from sqlalchemy.orm import Session
 
 from sqla_jobs import ConfigError, Worker
 from tests import app
@@ -84,3 +86,18 @@ def test_prune_after_zero_deletes_finished_jobs_and_keeps_every_other_outcome(db
     assert count(db.engine, app.Job, app.Job.id == cancelled, app.Job.state == "cancelled") == 1
     assert count(db.engine, app.DeadJob, app.DeadJob.id == failing) == 1
     assert count(db.engine, app.Job) == 1  # the cancelled job alone (pruned later, as before)
+
+
+@pytest.mark.parametrize(("batch_size", "claims"), [(None, 1), (40, 4)], ids=["default", "capped"])
+def test_a_claim_takes_a_job_for_every_free_thread_unless_batch_size_caps_it(
+        db: Database, batch_size: int | None, claims: int) -> None:
+    """``batch_size`` defaults to the concurrency: 150 idle threads take 150 waiting jobs in one claim (one
+    claim token on every row); capped at 40, the same jobs take four claims (40 + 40 + 40 + 30)."""
+    with Session(db.engine) as session, session.begin():
+        session.add_all([app.Job(kind="noop", payload={}) for _ in range(150)])
+    worker = run_burst(db.engine, concurrency=150, batch_size=batch_size)
+    assert worker.batch_size == (batch_size or 150)
+    with Session(db.engine) as session:
+        tokens = Counter(session.scalars(select(app.Job.claim_token).where(app.Job.state == "finished")))
+    assert sum(tokens.values()) == 150
+    assert len(tokens) == claims, tokens

@@ -56,7 +56,7 @@ PEERS: dict[str, list[str]] = {
     "pgqueuer": ["pgqueuer==1.6.0", "asyncpg==0.32.0"],
     "procrastinate": ["procrastinate==3.10.0", "psycopg[binary]==3.3.9"],
 }
-DEFAULT_DRAIN = {"sqla-jobs": "2x64,2x256", "pgqueuer": "1x200,2x200,2x1000", "procrastinate": "1x10,2x10"}
+DEFAULT_DRAIN = {"sqla-jobs": "2x64,2x256,2x512", "pgqueuer": "1x200,2x200,2x1000", "procrastinate": "1x10,2x10"}
 
 # `sqla-jobs bench --json` medians -> the comparison's metric names.
 SQLA_JOBS_KEYS = {
