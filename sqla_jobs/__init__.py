@@ -4,16 +4,14 @@ Jobs are rows in your own tables, enqueued in your own transactions and run
 by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 """
 
-from ._aio import AsyncAdmin
-from ._aio_worker import AsyncWorker
 from ._app import JobEvent, JobQueue
+from ._async_admin import AsyncAdmin
 from ._backoff import Backoff
 from ._context import JobContext, current_job
 from ._limits import limits_table
 from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
 from ._stats import DeadLetters, QueueLength, QueueStats, RunTime
 from ._unique import Enqueued, unique_key
-from ._worker import Worker
 from .drivers.base import MAX_ERROR_LENGTH
 from .errors import (
     ConfigError,
@@ -26,6 +24,8 @@ from .errors import (
     SchemaError,
     SqlaJobsError,
 )
+from .worker.async_worker import AsyncWorker
+from .worker.worker import Worker
 
 __version__ = "0.1.0"
 

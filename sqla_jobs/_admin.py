@@ -382,5 +382,5 @@ def _not_async(bind: object, name: str) -> None:
                           "(create_engine with the same URL; see docs/howto/asyncio.md)")
 
 
-# The engine methods queue.aio (sqla_jobs._aio) has; the others take a sync Engine only.
+# The engine methods queue.aio (sqla_jobs._async_admin) has; the others take a sync Engine only.
 _AIO_ENGINE_METHODS = ("create_tables", "check_schema", "stats")

@@ -42,7 +42,7 @@ from typing import Any, Generic, TypeVar
 from sqlalchemy import Connection, Engine
 
 from ._admin import Admin
-from ._aio import AsyncAdmin
+from ._async_admin import AsyncAdmin
 from ._backoff import Backoff
 from ._models import DeadJobMixin, JobMixin, add_enqueue_check
 from ._registry import EVENTS, Handler, JobEvent, Registry

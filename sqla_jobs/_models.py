@@ -75,7 +75,7 @@ STATES = ("pending", "running", "finished", "cancelled")
 
 # BIGSERIAL on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the rowid alias.
 _ID = BigInteger().with_variant(Integer(), "sqlite")
-# MariaDB/MySQL: JSON kept as LONGTEXT, the text exactly as sent (see JSONText in drivers/mysql.py).
+# MariaDB/MySQL: JSON kept as LONGTEXT, the text exactly as sent (see JSONText in drivers/mysql/driver.py).
 _JSON = JSON().with_variant(JSONB(), "postgresql").with_variant(JSONText(), "mysql", "mariadb")
 # The same column type, but it sends the text encoded at flush (see _payload).
 _PAYLOAD = (

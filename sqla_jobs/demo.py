@@ -17,7 +17,7 @@ from ._app import JobQueue
 from ._backoff import Backoff
 from ._context import current_job
 from ._models import DeadJobMixin, JobMixin
-from ._worker import Worker
+from .worker.worker import Worker
 
 
 class Base(DeclarativeBase):

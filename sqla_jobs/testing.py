@@ -34,8 +34,8 @@ from sqlalchemy import Connection, Engine, event
 from sqlalchemy.orm import Session
 
 from ._app import EVENTS, JobEvent, JobQueue
-from ._worker import Worker
 from .errors import ConfigError
+from .worker.worker import Worker
 
 __all__ = ["JobsFailed", "RunReport", "assert_enqueued", "eager", "make_due", "run_due"]
 

@@ -36,7 +36,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 #: branch to ``make_database``; tests/drivers/ checks that every registered driver is listed.
 BACKENDS = ("sqlite", "postgresql", "mariadb")
 #: The driver conformance suite runs on these too: PostgreSQL with a partitioned jobs table
-#: (``create-tables --partitioned``, sqla_jobs/drivers/pg_partitions.py), backend "postgresql".
+#: (``create-tables --partitioned``, sqla_jobs/drivers/postgresql/partitions.py), backend "postgresql".
 MODES = ("postgresql-partitioned",)
 
 

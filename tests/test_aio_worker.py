@@ -239,7 +239,7 @@ def listen_backends(db: Database, worker_name: str) -> list[int]:
 def test_on_postgresql_the_async_worker_listens_on_its_loop_and_survives_its_listen_connection_killed(
     pg: Database, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """LISTEN is a task on the worker's event loop (drivers/pg_alisten.py), not a thread: a notification
+    """LISTEN is a task on the worker's event loop (drivers/postgresql/async_listen.py), not a thread: a notification
     wakes the worker in the loop's own thread. Killing its connection costs one reconnect, after which
     a NOTIFY wakes the worker again (its poll and heartbeat are a minute away)."""
 

@@ -12,7 +12,7 @@ import uuid
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from sqla_jobs._store import Store
+from sqla_jobs.worker.store import Store
 
 from . import app
 from .conftest import Database

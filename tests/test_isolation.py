@@ -85,7 +85,7 @@ def test_the_mark_is_cleared_when_the_run_ends_and_kept_on_a_give_back(db: Datab
 
 
 def test_the_reaper_marks_lost_jobs(db: Database) -> None:
-    from sqla_jobs._lost import hand_back
+    from sqla_jobs.worker.lost import hand_back
 
     sql = app.queue.driver(db.engine)
     job_id = enqueue(db.engine, "noop")

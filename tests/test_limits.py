@@ -132,7 +132,7 @@ def test_four_processes_never_run_more_than_the_limit(db: Database, tmp_path: Pa
     """4 worker processes x 16 threads, 2,000 jobs of a kind limited to 3 (plus a per-key kind and free jobs).
 
     ``plain``: the app's only limit is that plain one, so PostgreSQL's workers claim in one pipeline
-    (drivers/pg_limits.py) instead of claim_limited's transaction.
+    (drivers/postgresql/capped.py) instead of claim_limited's transaction.
     """
     limits_app.metadata.create_all(db.engine)
     keyed = 0 if plain_only else 150

@@ -468,7 +468,7 @@ def test_non_default_schema_end_to_end(empty_pg: Database, tmp_path: Path) -> No
 
 
 def test_importing_sqla_jobs_does_not_import_alembic() -> None:
-    code = "import sys, sqla_jobs, sqla_jobs.cli, sqla_jobs._worker; print('alembic' in sys.modules)"
+    code = "import sys, sqla_jobs, sqla_jobs.cli, sqla_jobs.worker.worker; print('alembic' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.strip() == "False"
 

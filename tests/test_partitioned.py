@@ -1,4 +1,4 @@
-"""PostgreSQL's partitioned mode (sqla_jobs/drivers/pg_partitions.py), end to end.
+"""PostgreSQL's partitioned mode (sqla_jobs/drivers/postgresql/partitions.py), end to end.
 
 The driver conformance suite (tests/drivers/) runs on a partitioned table too
 (``postgresql-partitioned`` in ``tests.conftest.MODES``); these tests cover
@@ -26,7 +26,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from sqla_jobs import Worker
-from sqla_jobs.drivers import pg_partitions
+from sqla_jobs.drivers.postgresql import partitions as pg_partitions
 from tests import app
 from tests import test_concurrency as concurrency
 from tests.conftest import PG_URL, ROOT, Database, make_database, require_postgres, run_cli

@@ -215,7 +215,7 @@ def test_a_worker_whose_supervisor_was_killed_stops(db: Database) -> None:
 # under the real StopSignals. ``wait(0)`` keeps the main thread inside the event's lock most of the time.
 _SPINNING_WAIT = """
 import threading
-from sqla_jobs import _signals
+from sqla_jobs.worker import signals as _signals
 wake, asked = threading.Event(), []
 def stop():
     asked.append(True)

@@ -1,4 +1,4 @@
-"""``sqla-jobs worker --vacuum-dead-rows N`` (``sqla_jobs._vacuum``): the worker that does the upkeep
+"""``sqla-jobs worker --vacuum-dead-rows N`` (``sqla_jobs.worker.vacuum``): the worker that does the upkeep
 vacuums the jobs table once the server counts N dead rows in it, on PostgreSQL; elsewhere it says
 that it does nothing; a role that may not vacuum is told what to do, once.
 
@@ -24,7 +24,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from sqla_jobs._vacuum import Vacuumer
+from sqla_jobs.worker.vacuum import Vacuumer
 from tests import app
 from tests.conftest import PG_URL, ROOT, Database, require_postgres
 from tests.helpers import count, run_burst

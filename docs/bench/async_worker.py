@@ -19,8 +19,8 @@ from typing import Any
 
 from sqlalchemy import create_engine
 
-from sqla_jobs import _bench as bench
 from sqla_jobs._bootstrap import database_url
+from sqla_jobs.bench import run as bench
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from sqla_jobs import _bench as bench
+from sqla_jobs.bench import run as bench
 
 
 def one_pass(url: str, jobs: int, batch: int, discard: bool = False) -> float:

@@ -22,7 +22,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from sqla_jobs import _bench as bench
+from sqla_jobs.bench import run as bench
 
 WALK = """EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
 SELECT id FROM jobs WHERE state = 'pending' AND run_at <= now() ORDER BY priority DESC, run_at, id LIMIT 64"""

@@ -17,7 +17,7 @@ from types import ModuleType
 from typing import Any
 
 from sqla_jobs._durations import parse_duration
-from sqla_jobs._soak_report import SoakReport, write_outputs
+from sqla_jobs.bench.soak_report import SoakReport, write_outputs
 
 
 def _sqla_jobs(args: argparse.Namespace, plumbing: ModuleType) -> SoakReport:

@@ -27,7 +27,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from sqla_jobs import _bench as bench
+from sqla_jobs.bench import run as bench
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -53,7 +53,7 @@ def server_cpu_seconds() -> float:
 def one_drain(url: str, jobs: int, processes: int, concurrency: int, log_level: str) -> dict[str, float]:
     engine = create_engine(url)
     cli = [sys.executable, "-m", "sqla_jobs.cli", "--log-level", log_level, "worker", "--url", url,
-           "--app", "sqla_jobs._bench:queue", "--concurrency", str(concurrency)]
+           "--app", "sqla_jobs.bench.run:queue", "--concurrency", str(concurrency)]
     workers: list[subprocess.Popen[bytes]] = []
     try:
         bench._reset(engine)

@@ -26,8 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import limits_drain as drain  # the app, beside this file
 
-from sqla_jobs._executor import Outcome
-from sqla_jobs._store import Store
+from sqla_jobs.worker.executor import Outcome
+from sqla_jobs.worker.store import Store
 
 
 def main() -> None:

@@ -41,8 +41,8 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, text
 
 from sqla_jobs import Worker
-from sqla_jobs._bench import queue
-from sqla_jobs.drivers import pg_partitions
+from sqla_jobs.bench.run import queue
+from sqla_jobs.drivers.postgresql import partitions as pg_partitions
 
 JOBS = queue.job_model.__table__
 

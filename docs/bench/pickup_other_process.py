@@ -26,16 +26,16 @@ from collections.abc import Callable
 
 from sqlalchemy import create_engine
 
-from sqla_jobs import _bench as bench
-from sqla_jobs._aio_worker import AsyncWorker
 from sqla_jobs._bootstrap import database_url, make_async_engine
-from sqla_jobs._worker import Worker
+from sqla_jobs.bench import run as bench
+from sqla_jobs.worker.async_worker import AsyncWorker
+from sqla_jobs.worker.worker import Worker
 
 ENQUEUER = r"""
 import sys, time
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
-from sqla_jobs import _bench as bench
+from sqla_jobs.bench import run as bench
 engine = create_engine(sys.argv[1])
 kind, samples = sys.argv[2], int(sys.argv[3])
 for i in range(samples):

@@ -53,8 +53,8 @@ from sqlalchemy.engine import URL
 from ..errors import ConfigError
 from ._setup import GeneratedColumn
 from .base import DatabaseNow, Driver
-from .mysql import JSONText, MySQLDriver
-from .postgresql import PostgreSQLDriver
+from .mysql.driver import JSONText, MySQLDriver
+from .postgresql.driver import PostgreSQLDriver
 from .sqlite import SQLiteDriver
 
 __all__ = [

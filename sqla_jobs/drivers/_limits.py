@@ -39,7 +39,7 @@ way first (``Driver.claim_capped``): PostgreSQL sends the same steps as two
 statements in one round trip (``pg_limits``); the others, and a kind whose row
 does not exist yet, take the steps above. A worker whose limits are all plain
 may make its whole turn the backend's way (``Driver.finish_and_claim_capped``,
-called by ``sqla_jobs._store``).
+called by ``sqla_jobs.worker.store``).
 
 Jobs left over wait ``pending`` with their attempts untouched.
 """
@@ -159,7 +159,7 @@ def claim_limited(
         if limit.running is not None and limit.key is None and not limit.rate_count:
             fast = sql.claim_capped(conn, table, limit.row, limit.kind, limit.running, budget0, worker, token,
                                     lease, queues, alone0)
-            if fast is not None:  # the backend's own way (PostgreSQL: drivers/pg_limits.py)
+            if fast is not None:  # the backend's own way (PostgreSQL: drivers/postgresql/capped.py)
                 jobs, left = fast
                 waiting = waiting or left
                 claimed += jobs

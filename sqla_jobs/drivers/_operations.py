@@ -346,7 +346,7 @@ class Operations:
         # A row another session is deleting right now is skipped, not waited for.
         return conn.execute(delete(t).where(t.c.id.in_(self.skip_locked(old).scalar_subquery()))).rowcount
 
-    # -- vacuum (sqla_jobs._vacuum) ------------------------------------------------------
+    # -- vacuum (sqla_jobs.worker.vacuum) ------------------------------------------------------
 
     def dead_rows(self, conn: Connection) -> int | None:
         """Dead row versions in the jobs table as the server counts them; None where a backend reclaims

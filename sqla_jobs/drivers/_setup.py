@@ -27,7 +27,7 @@ class DatabaseNow(FunctionElement[datetime]):
     """The database clock as a column's server default: ``CURRENT_TIMESTAMP`` unless a driver says otherwise.
 
     A backend whose timestamp columns have no time zone compiles it to its UTC clock
-    (``drivers/mysql.py``), so a row's default is right whatever the session's time zone.
+    (``drivers/mysql/driver.py``), so a row's default is right whatever the session's time zone.
     """
 
     type = DateTime(timezone=True)
@@ -45,7 +45,7 @@ class GeneratedColumn(Computed):
 
     SQLite and MariaDB index virtual columns (and SQLite can add only virtual
     ones to an existing table); PostgreSQL 18's virtual columns cannot be
-    indexed, so its driver makes them STORED (``drivers/postgresql.py``).
+    indexed, so its driver makes them STORED (``drivers/postgresql/driver.py``).
     """
 
     inherit_cache = True

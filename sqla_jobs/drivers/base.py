@@ -42,12 +42,12 @@ from sqlalchemy import (
 from sqlalchemy.schema import CreateIndex
 from sqlalchemy.sql.elements import ColumnElement
 
-from ._flow import Flow
+from ._claimed import DEAD_COLUMNS, AsyncListener, Claimed, Fence, Listener
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
 from ._percentile import percentile, run_times_in_python
+from ._results import Flow
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
 from ._unique import Uniqueness
-from ._values import DEAD_COLUMNS, AsyncListener, Claimed, Fence, Listener
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine

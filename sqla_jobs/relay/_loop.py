@@ -41,9 +41,9 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from .._app import JobEvent, JobQueue
 from .._backoff import Backoff
-from .._reconnect import retry_pause
 from ..drivers.base import Claimed, Fence
 from ..errors import ConfigError
+from ..worker.reconnect import retry_pause
 from ._message import BrokerUnavailable, Target, outgoing
 
 __all__ = ["MAX_UNCOUNTED_LOSSES", "Relay", "RelayCounts"]

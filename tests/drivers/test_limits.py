@@ -261,12 +261,12 @@ def test_any_claims_and_finishes_keep_every_key_within_its_limit(
 
 
 def test_postgresql_takes_nothing_without_the_lock_its_first_statement_passed_up(backend: Backend) -> None:
-    """PostgreSQL's two statements (drivers/pg_limits.py) run one at a time: the lock, skipped as the kind is
+    """PostgreSQL's two statements (drivers/postgresql/capped.py) run one at a time: the lock, skipped as the kind is
     at its limit; a finish committed by another worker; then the take, which now sees room but must not use
     it, since this transaction does not hold the kind's row (another claimer might be counting under it)."""
     if backend.name != "postgresql":
         return
-    from sqla_jobs.drivers import pg_limits
+    from sqla_jobs.drivers.postgresql import capped as pg_limits
 
     backend.insert(3, kind="capped", run_at=PAST)
     cap = KindLimit("capped", running=1)

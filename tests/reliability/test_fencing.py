@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import create_engine, make_url, text, update
 
 from sqla_jobs import Worker
-from sqla_jobs.drivers.pg_keepalive import SERVER_SIDE
+from sqla_jobs.drivers.postgresql.keepalive import SERVER_SIDE
 from tests import app
 from tests.conftest import Database
 

@@ -20,8 +20,8 @@ from sqlalchemy import Connection, Engine, create_engine, make_url, text
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
-from sqla_jobs._reconnect import database_answers
-from sqla_jobs.drivers.pg_keepalive import harden, is_disconnect
+from sqla_jobs.drivers.postgresql.keepalive import harden, is_disconnect
+from sqla_jobs.worker.reconnect import database_answers
 from tests.conftest import Database
 
 from .cluster import PrivateCluster

@@ -1,0 +1,10 @@
+"""The ``sqla-jobs`` command: ``main`` parses the arguments and runs one command.
+
+``cli/main.py`` holds the parser and the worker, bench and demo commands; each group of commands has a
+module of its own (``admin``: jobs, dead letters, stats, prune, health; ``migrations``; ``relay``;
+``dashboard``); ``terminal`` draws their tables.
+"""
+
+from .main import build_parser, iter_commands, main
+
+__all__ = ["build_parser", "iter_commands", "main"]

@@ -1,0 +1,5 @@
+"""MariaDB/MySQL: ``driver`` holds ``MySQLDriver``; ``stats`` its aggregate queries."""
+
+from .driver import JSONText, MySQLDriver
+
+__all__ = ["JSONText", "MySQLDriver"]

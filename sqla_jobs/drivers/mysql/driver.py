@@ -1,0 +1,413 @@
+"""The MariaDB / MySQL driver (PyMySQL, the ``sqla-jobs[mysql]`` extra).
+
+================  ===========================================================
+claim             ``SELECT … FOR UPDATE SKIP LOCKED`` then ``UPDATE … WHERE id
+                  IN (…)``, in one short READ COMMITTED transaction
+now / later       ``UTC_TIMESTAMP(6)``, ``TIMESTAMPADD(MICROSECOND, …)``:
+                  ``DATETIME(6)`` columns hold UTC with microseconds
+append an error   ``JSON_ARRAY_APPEND(errors, '$', JSON_EXTRACT(:entry, '$'))``
+RETURNING         none used: MySQL has none and MariaDB none on UPDATE, so each
+                  fenced write locks its rows (``FOR UPDATE``), then changes them
+wake-up           none: workers poll (``--poll-interval``)
+percentiles       computed in Python from one row per run
+indexes           no partial indexes: ``state`` leads the claim and reaper
+                  indexes (see ``JobMixin.job_indexes``)
+================  ===========================================================
+
+Isolation: every write transaction runs at READ COMMITTED (``begin_write``).
+InnoDB's default, REPEATABLE READ, takes *gap* locks on the index ranges a
+locking read scans: a claimer's ``FOR UPDATE`` would then block enqueuers
+inserting into that range and can deadlock with them and with other claimers.
+At READ COMMITTED a locking read locks only the rows it returns (rows it
+examined and rejected are unlocked at once), which is what a ``SKIP LOCKED``
+queue needs: claimers skip each other's rows and never wait on gaps. Every
+statement here is written within what both MariaDB ≥ 10.6 and MySQL ≥ 8.0
+accept (no RETURNING, no ``CAST … AS JSON``, no partial indexes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from datetime import datetime
+from typing import Any, ClassVar
+
+from sqlalchemy import (
+    Connection,
+    Float,
+    Integer,
+    Select,
+    Table,
+    bindparam,
+    create_engine,
+    delete,
+    func,
+    insert,
+    literal_column,
+    select,
+    text,
+    tuple_,
+    type_coerce,
+    update,
+)
+from sqlalchemy.dialects import mysql
+from sqlalchemy.engine import URL
+from sqlalchemy.exc import DBAPIError
+from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.elements import ColumnElement
+
+from .._operations import truncate, utcnow
+from ..base import DEAD_COLUMNS, Claimed, DatabaseNow, Driver, Fence, IndexDefinition, run_times_in_python
+from .stats import MySQLStats
+
+__all__ = ["MySQLDriver"]
+
+_DATETIME = mysql.DATETIME(fsp=6)
+# A lost connection or server (PyMySQL's args[0]): 2006 gone away, 2013 lost during query, 2003 can't
+# connect, 2055 lost at handshake, 1927 killed (MariaDB), 4031 idle cut (MySQL), 1053 server shutdown.
+_GONE = {2006, 2013, 2003, 2055, 1927, 4031, 1053}
+
+
+def _error_code(exc: BaseException) -> object:
+    orig = exc.orig if isinstance(exc, DBAPIError) else None
+    return orig.args[0] if orig is not None and orig.args else None
+
+
+class JSONText(mysql.JSON):
+    """JSON stored as ``LONGTEXT``: the text exactly as sent, read back with ``json.loads``.
+
+    Not the ``JSON`` column type: MySQL 8 stores it in a binary form that
+    reorders keys and respells numbers, and MariaDB's ``JSON`` (an alias of
+    LONGTEXT) adds a ``JSON_VALID`` check that refuses documents nested more
+    than 32 levels, under the 64 sqla-jobs accepts. Payloads are validated
+    before they are sent (``sqla_jobs._payload``), so nothing is lost.
+    """
+
+    cache_ok = True
+
+
+@compiles(JSONText, "mysql")
+@compiles(JSONText, "mariadb")
+def _json_as_longtext(element: JSONText, compiler: Any, **kw: Any) -> str:
+    return "LONGTEXT"
+
+
+@compiles(DatabaseNow, "mysql")
+@compiles(DatabaseNow, "mariadb")
+def _utc_default(element: DatabaseNow, compiler: Any, **kw: Any) -> str:
+    # DATETIME has no time zone: CURRENT_TIMESTAMP would be the session's local time, in whole seconds;
+    return "(UTC_TIMESTAMP(6))"  # parenthesised, as MySQL 8 wants an expression default
+
+
+class MySQLDriver(MySQLStats, Driver):
+    """MariaDB and MySQL: see the module docstring."""
+
+    name = "mariadb"
+    label = "MariaDB/MySQL"
+    url_aliases = ("mysql",)
+    async_drivers = (("mysql+pymysql", "mysql+aiomysql"), ("mariadb+pymysql", "mariadb+aiomysql"))
+
+    # -- class level ---------------------------------------------------------------
+
+    @classmethod
+    def normalise_url(cls, url: URL) -> URL:
+        if url.drivername in ("mysql", "mariadb"):
+            url = url.set(drivername=f"{url.drivername}+pymysql")  # PyMySQL is the extra we ship
+        if "charset" not in url.query:
+            url = url.update_query_dict({"charset": "utf8mb4"})  # 4-byte UTF-8: emoji in payloads
+        return url
+
+    @classmethod
+    def reflect_indexes(cls, conn: Connection, schema: str | None, table: str) -> dict[str, IndexDefinition | None]:
+        rows = conn.execute(
+            text(
+                "SELECT index_name, non_unique, column_name, collation FROM information_schema.statistics "
+                "WHERE table_schema = COALESCE(:schema, DATABASE()) AND table_name = :table "
+                "ORDER BY index_name, seq_in_index"
+            ),
+            {"schema": schema, "table": table},
+        )
+        parts: dict[str, list[str]] = {}
+        unique: dict[str, bool] = {}
+        for name, non_unique, column, collation in rows:
+            if name == "PRIMARY":
+                continue
+            unique[name] = not int(non_unique)
+            parts.setdefault(name, []).append(f"{column} DESC" if collation == "D" else str(column))
+        return {name: (unique[name], tuple(elements), None) for name, elements in parts.items()}
+
+    @classmethod
+    @contextmanager
+    def bench_scratch(cls, url: URL) -> Iterator[URL]:
+        database = f"sqla_jobs_bench_{os.getpid()}"
+        admin = create_engine(url)
+        with admin.begin() as conn:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{database}`"))
+            conn.execute(text(f"CREATE DATABASE `{database}` CHARACTER SET utf8mb4"))
+        try:
+            yield url.set(database=database)
+        finally:
+            with admin.begin() as conn:
+                conn.execute(text(f"DROP DATABASE IF EXISTS `{database}`"))
+            admin.dispose()
+
+    def bench_fill_finished(self, conn: Connection, rows: int) -> None:
+        """One row, then ``INSERT … SELECT`` doubling it on the server: a million rows in seconds."""
+        table = self._quoted(conn)
+        columns = "kind, queue, payload, state, attempts, locked_at, finished_at"
+        conn.execute(text(
+            f"INSERT INTO {table} ({columns}) VALUES ('noop', 'default', '{{}}', 'finished', 1, "
+            "UTC_TIMESTAMP(6) - INTERVAL 1 DAY, UTC_TIMESTAMP(6) - INTERVAL 1 DAY)"
+        ))
+        done = 1
+        while done < rows:
+            step = min(done, rows - done)
+            conn.execute(text(
+                f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {table} WHERE state = 'finished' LIMIT {step}"
+            ))
+            done += step
+        conn.execute(text(f"ANALYZE TABLE {table}"))
+
+    def _quoted(self, conn: Connection) -> str:
+        return str(conn.dialect.identifier_preparer.format_table(self.jobs))
+
+    def is_disconnect(self, exc: BaseException) -> bool:
+        return isinstance(exc, DBAPIError) and (exc.connection_invalidated or _error_code(exc) in _GONE)
+
+    def is_conflict(self, exc: BaseException) -> bool:
+        return _error_code(exc) in {1213, 1205}  # deadlock found; lock wait timeout (InnoDB rolls back)
+
+    # -- time ------------------------------------------------------------------------
+
+    def now(self) -> ColumnElement[datetime]:
+        return type_coerce(func.utc_timestamp(literal_column("6")), _DATETIME)
+
+    def later(self, seconds: float) -> ColumnElement[datetime]:
+        # An anonymous bind: one statement may hold several offsets (lease and delay, say).
+        micros = bindparam(None, round(seconds * 1_000_000), Integer())
+        return type_coerce(
+            func.timestampadd(literal_column("MICROSECOND"), micros, func.utc_timestamp(literal_column("6"))),
+            _DATETIME,
+        )
+
+    def seconds_between(self, later: Any, earlier: Any) -> ColumnElement[float]:
+        micros = func.timestampdiff(literal_column("MICROSECOND"), earlier, later)
+        return type_coerce(micros / literal_column("1000000.0"), Float())
+
+    # -- transactions and schema -------------------------------------------------------
+
+    @property
+    def hot_isolation(self) -> str | None:
+        # The worker's claims and fenced writes need READ COMMITTED as much as begin_write's transactions do;
+        # on its own long-lived connection that is set once, not sent before every transaction (a round trip
+        # per batch, and the pool's reset on return another).
+        return "READ COMMITTED"
+
+    def begin_write(self, conn: Connection) -> None:
+        """READ COMMITTED for this transaction: no gap locks (see the module docstring).
+
+        ``SET TRANSACTION`` applies to the next transaction, which this
+        connection has not started yet: it is the first statement sent.
+        """
+        conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
+
+    def create(self, conn: Connection) -> None:
+        """Tables first, then the indexes missing (MySQL has no ``CREATE INDEX IF NOT EXISTS``)."""
+        from sqlalchemy.schema import CreateIndex
+
+        for table in (self.jobs, self.dead):
+            table.create(conn, checkfirst=True)
+            have = self._index_names_of(conn, table)
+            for index in self.creatable_indexes(conn, table):
+                if index.name not in have:
+                    conn.execute(CreateIndex(index))
+
+    @staticmethod
+    def _index_names_of(conn: Connection, table: Table) -> set[str]:
+        rows = conn.execute(
+            text(
+                "SELECT DISTINCT index_name FROM information_schema.statistics "
+                "WHERE table_schema = COALESCE(:schema, DATABASE()) AND table_name = :table"
+            ),
+            {"schema": table.schema, "table": table.name},
+        )
+        return {r[0] for r in rows}
+
+    def index_names(self, conn: Connection) -> set[str]:
+        return self._index_names_of(conn, self.jobs)
+
+    # -- the worker's path -----------------------------------------------------------
+
+    def fenced(self, fences: Sequence[Fence] | Any) -> ColumnElement[bool]:
+        # ``id IN (…)`` first: the optimizer reads the primary key for it, where a bare row-constructor
+        # IN could scan the table; the pairs then check each token.
+        fences = list(fences)
+        t = self.jobs
+        return (
+            t.c.id.in_([f[0] for f in fences])
+            & tuple_(t.c.id, t.c.claim_token).in_(fences)
+            & (t.c.state == "running")
+        )
+
+    def skip_locked(self, stmt: Select[Any]) -> Select[Any]:
+        return stmt.with_for_update(skip_locked=True)
+
+    holder_lock: ClassVar[dict[str, Any] | None] = {"read": True}  # a locking read sees the latest commit
+
+    def _lock_fenced(self, conn: Connection, fences: Sequence[Fence]) -> list[Any]:
+        """Lock the rows still held under ``fences`` (there is no UPDATE … RETURNING to tell us)."""
+        t = self.jobs
+        stmt = select(t.c.id, t.c.claim_token).where(self.fenced(fences)).with_for_update()
+        return list(conn.execute(stmt))
+
+    def claim_batch(
+        self,
+        conn: Connection,
+        limit: int,
+        worker: str,
+        token: str,
+        lease: float,
+        queues: Sequence[str] | None,
+        alone: bool,
+        skip_kinds: Sequence[str] = (),
+    ) -> tuple[list[Claimed], bool]:
+        """Lock the due window with SKIP LOCKED, then take what the isolation rule allows."""
+        if limit <= 0:
+            return [], False
+        t = self.jobs
+        due = select(
+            t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority, t.c.isolate
+        ).where(t.c.state == "pending", t.c.run_at <= self.now())
+        if queues:
+            due = due.where(t.c.queue.in_(list(queues)))
+        if skip_kinds:
+            due = due.where(t.c.kind.not_in(list(skip_kinds)))
+        due = due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)
+        window = list(conn.execute(due.with_for_update(skip_locked=True)))  # in claim order
+        isolated = [r for r in window if r.isolate]
+        if alone and isolated:
+            chosen, waiting = isolated[:1], len(isolated) > 1
+        else:
+            chosen, waiting = [r for r in window if not r.isolate], bool(isolated)
+        if not chosen:
+            return [], waiting
+        stmt = (
+            update(t)
+            .where(t.c.id.in_([r.id for r in chosen]))
+            .values(
+                state="running",
+                attempts=t.c.attempts + 1,
+                locked_at=self.now(),
+                locked_by=worker,
+                claim_token=token,
+                lease_expires_at=self.later(lease),
+            )
+        )
+        conn.execute(stmt)  # the rows are ours (locked above): nobody changed them in between
+        claimed = [
+            Claimed(r.id, r.kind, r.queue, r.payload, r.attempts + 1, r.max_attempts, r.priority, token,
+                    bool(r.isolate))
+            for r in chosen
+        ]
+        return claimed, waiting
+
+    def heartbeat(self, conn: Connection, fences: Sequence[Fence], lease: float) -> set[Fence]:
+        if not fences:
+            return set()
+        held = self._lock_fenced(conn, fences)
+        if held:
+            t = self.jobs
+            conn.execute(
+                update(t).where(t.c.id.in_([r.id for r in held])).values(lease_expires_at=self.later(lease))
+            )
+        return {(r.id, r.claim_token) for r in held}
+
+    def finish(self, conn: Connection, fences: Sequence[Fence]) -> set[int]:
+        if not fences:
+            return set()
+        held = self._lock_fenced(conn, fences)
+        if held:
+            t = self.jobs
+            mine = t.c.id.in_([r.id for r in held])
+            conn.execute(delete(t).where(mine) if self.discard_finished else update(t).where(mine).values(
+                state="finished", finished_at=self.now(), lease_expires_at=None))
+        return {r.id for r in held}
+
+    def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
+        # JSON_EXTRACT(…, '$') makes the bound text a JSON value, so it is appended as an object, not a string.
+        return text("JSON_ARRAY_APPEND(COALESCE(errors, '[]'), '$', JSON_EXTRACT(:entry, '$'))").bindparams(
+            entry=json.dumps(entry)
+        )
+
+    def dead_letter(self, conn: Connection, fence: Fence, error: str) -> bool:
+        t, d = self.jobs, self.dead
+        row = conn.execute(select(t).where(self.fenced([fence])).with_for_update()).first()
+        if row is None:
+            return False
+        conn.execute(delete(t).where(t.c.id == row.id))
+        message = truncate(error)
+        errors = [*(row.errors or []), {"attempt": row.attempts, "at": utcnow(), "error": message}]
+        older = conn.execute(select(d.c.kind, d.c.last_error).where(d.c.id == row.id).with_for_update()).first()
+        if older is not None:  # ids were reused (see Driver.dead_letter): replace it, keep a note
+            conn.execute(delete(d).where(d.c.id == row.id))
+            note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
+            errors.insert(0, {"attempt": None, "at": utcnow(), "error": truncate(note)})
+        conn.execute(
+            insert(d).values(
+                **{c: getattr(row, c) for c in DEAD_COLUMNS}, last_error=message, errors=errors, failed_at=self.now()
+            )
+        )
+        return True
+
+    def requeue_dead(
+        self, conn: Connection, *, ids: Sequence[int] | None = None, kind: str | None = None
+    ) -> list[int]:
+        d, t = self.dead, self.jobs
+        stmt = select(d)
+        if ids is not None:
+            stmt = stmt.where(d.c.id.in_(list(ids)))
+        if kind is not None:
+            stmt = stmt.where(d.c.kind == kind)
+        rows = list(conn.execute(stmt.with_for_update()))
+        if not rows:
+            return []
+        conn.execute(delete(d).where(d.c.id.in_([r.id for r in rows])))
+        note = f"requeued from the dead-letter table at {utcnow()}"
+        conn.execute(
+            insert(t),
+            [
+                {
+                    "id": r.id, "kind": r.kind, "queue": r.queue, "payload": r.payload, "priority": r.priority,
+                    "attempts": 0, "max_attempts": r.max_attempts, "created_at": r.created_at, "state": "pending",
+                    "last_error": truncate(f"{r.last_error}\n[{note}]"), "errors": r.errors,
+                }
+                for r in rows
+            ],
+        )
+        return sorted(r.id for r in rows)
+
+    def prune_batch(self, conn: Connection, older_than: float, limit: int) -> int:
+        # MySQL cannot DELETE from a table with a LIMIT subquery on that same table: two statements.
+        t = self.jobs
+        old = (
+            select(t.c.id)
+            .where(
+                t.c.finished_at < self.ago(older_than),
+                t.c.finished_at.is_not(None),
+                t.c.state.in_(("finished", "cancelled")),
+            )
+            .order_by(t.c.finished_at)
+            .limit(limit)
+        )
+        ids = list(conn.execute(self.skip_locked(old)).scalars())
+        if not ids:
+            return 0
+        return conn.execute(delete(t).where(t.c.id.in_(ids))).rowcount
+
+    def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:
+        """MariaDB's PERCENTILE_CONT is a window function only, MySQL has none: computed in Python."""
+        t = self.jobs
+        took = self.seconds_between(t.c.finished_at, t.c.locked_at)
+        return run_times_in_python(conn.execute(select(t.c.kind, took).where(self.recently_finished(window))))

@@ -1,0 +1,69 @@
+"""What ``sqla-jobs bench`` asks of PostgreSQL: a scratch schema, finished rows, table statistics, storage.
+
+Mixed into ``PostgreSQLDriver``; kept apart because none of it runs in an application.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from sqlalchemy import Connection, Table, create_engine, text
+from sqlalchemy.dialects import postgresql
+from sqlalchemy.engine import URL
+
+from ...errors import ConfigError
+from .notify import pg_name
+
+__all__ = ["PgBench"]
+
+
+class PgBench:
+    """The bench hooks of ``Driver`` (see ``drivers/base.py``), for PostgreSQL."""
+
+    jobs: Table
+
+    @classmethod
+    @contextmanager
+    def bench_scratch(cls, url: URL) -> Iterator[URL]:
+        schema = f"sqla_jobs_bench_{os.getpid()}"
+        admin = create_engine(url)
+        with admin.begin() as conn:
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        try:
+            yield url.update_query_dict({"options": f"-csearch_path={schema}"})
+        finally:
+            with admin.begin() as conn:
+                conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+            admin.dispose()
+
+    def bench_fill_finished(self, conn: Connection, rows: int) -> None:
+        conn.execute(text(
+            f"INSERT INTO {pg_name(self.jobs)} (kind, queue, payload, state, attempts, locked_at, finished_at) "
+            "SELECT 'noop', 'default', '{}'::jsonb, 'finished', 1, now() - interval '1 day', "
+            "now() - interval '1 day' FROM generate_series(1, :n)"
+        ), {"n": rows})
+        conn.execute(text(f"ANALYZE {pg_name(self.jobs)}"))
+
+    def bench_table_stats(self, conn: Connection) -> dict[str, float]:
+        # The statistics collector's counters reach pg_stat_user_tables within a second or so.
+        row = conn.execute(text(
+            "SELECT pg_relation_size(s.relid) AS table_bytes, pg_indexes_size(s.relid) AS index_bytes, "
+            "s.n_live_tup AS live_tuples, s.n_dead_tup AS dead_tuples, "
+            "s.n_tup_hot_upd::float8 / NULLIF(s.n_tup_upd, 0) AS hot_update_share, "
+            "s.autovacuum_count, s.autoanalyze_count, s.vacuum_count, s.n_tup_upd AS updates, "
+            "(current_setting('autovacuum') = 'on')::int AS autovacuum_on "
+            "FROM pg_stat_user_tables AS s WHERE s.relid = to_regclass(:target)"
+        ), {"target": pg_name(self.jobs)}).mappings().first()
+        return {k: float(v) for k, v in row.items() if v is not None} if row else {}
+
+    def bench_storage(self, conn: Connection, parameters: dict[str, str]) -> None:
+        preparer = postgresql.dialect().identifier_preparer
+        settings = []
+        for name, value in parameters.items():
+            if not name.replace("_", "").isalnum() or not value.replace(".", "").replace("_", "").isalnum():
+                raise ConfigError(f"--storage: {name}={value} is not a storage parameter (e.g. fillfactor=70)")
+            settings.append(f"{preparer.quote(name)} = {value}")
+        conn.execute(text(f"ALTER TABLE {pg_name(self.jobs)} SET ({', '.join(settings)})"))

@@ -1,0 +1,45 @@
+"""PostgreSQL: the jobs table's dead rows, counted and vacuumed (``sqla_jobs.worker.vacuum`` decides when).
+
+Mixed into ``PostgreSQLDriver``. A partitioned jobs table (``pg_partitions``) is
+counted over its partitions, and ``VACUUM`` of the parent vacuums each of them.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, Table, text
+
+from .notify import pg_name
+
+__all__ = ["PgVacuum"]
+
+
+class PgVacuum:
+    """The vacuum hooks of ``Driver`` (see ``drivers/_operations.py``), for PostgreSQL."""
+
+    jobs: Table
+
+    def dead_rows(self, conn: Connection) -> int | None:
+        # The statistics system's count: the server updates it about once a second, and it costs no scan.
+        # A partitioned table's rows are in its partitions (pg_partition_tree; no rows for a plain table).
+        return int(conn.execute(text(
+            "SELECT coalesce(sum(s.n_dead_tup), 0) FROM pg_stat_user_tables AS s "
+            "WHERE s.relid = to_regclass(:target) "
+            "OR s.relid IN (SELECT relid FROM pg_partition_tree(to_regclass(:target)))"
+        ), {"target": pg_name(self.jobs)}).scalar_one())
+
+    def may_vacuum(self, conn: Connection) -> bool:
+        # PostgreSQL 15 lets the table's owner, the database's owner and superusers vacuum; anyone else
+        # gets a WARNING and nothing is done, so the worker asks first rather than vacuum in vain.
+        return bool(conn.execute(text(
+            "SELECT pg_has_role(c.relowner, 'USAGE') OR pg_has_role(d.datdba, 'USAGE') "
+            "OR (SELECT rolsuper FROM pg_roles WHERE rolname = current_user) "
+            "FROM pg_class AS c, pg_database AS d WHERE c.oid = to_regclass(:target) "
+            "AND d.datname = current_database()"
+        ), {"target": pg_name(self.jobs)}).scalar())
+
+    def vacuum(self, conn: Connection) -> None:
+        # SKIP_LOCKED: if autovacuum or another worker's vacuum is at it, this one is not needed now.
+        conn.execute(text(f"VACUUM (SKIP_LOCKED) {pg_name(self.jobs)}"))
+
+    def bench_vacuum(self, conn: Connection) -> None:
+        conn.execute(text(f"VACUUM {pg_name(self.jobs)}"))

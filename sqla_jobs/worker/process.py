@@ -1,0 +1,75 @@
+"""One worker process, from its settings: what ``sqla-jobs worker`` runs, and each ``--processes`` child.
+
+``WorkerProcess`` holds everything a worker process needs, already parsed and
+checked (``WorkerConfig``), and pickles, so the supervisor hands it to a child
+as it is instead of rebuilding a command line. ``run_worker_process`` imports
+the app, opens the engine with the pool a worker needs, serves metrics if
+asked and runs the ``Worker``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine
+
+from .._app import JobQueue
+from .._bootstrap import load_app, make_async_engine, make_engine, sync_twin
+from ..errors import ConfigError
+from .async_worker import AsyncWorker
+from .config import WorkerConfig
+from .worker import Worker
+
+__all__ = ["WorkerProcess", "run_worker_process"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+
+@dataclass(frozen=True)
+class WorkerProcess:
+    app: str | None
+    url: str | None  # as given (normalised by make_engine); with its password, for a child
+    config: WorkerConfig
+    burst: bool = False
+    metrics_port: int | None = None
+    metrics_addr: str = "0.0.0.0"
+    log_level: str = "INFO"
+    asynchronous: bool = False  # AsyncWorker on the URL's async driver (--async, or an async URL)
+
+
+def run_worker_process(spec: WorkerProcess, engine: Engine | None = None) -> int:
+    """Run one worker until it stops; its exit status."""
+    queue = load_app(spec.app)
+    if spec.asynchronous:
+        return asyncio.run(_run_async(spec, queue))
+    if engine is None:
+        engine = make_engine(spec.url, pool_size=spec.config.pool_size)
+    worker = Worker._from_config(engine, queue, spec.config)
+    _serve_metrics(spec, queue, engine)
+    return worker.run(burst=spec.burst)
+
+
+async def _run_async(spec: WorkerProcess, queue: JobQueue[Any, Any]) -> int:
+    """The async worker on this process's event loop; the CLI's signals stop it gracefully."""
+    engine = await make_async_engine(spec.url, pool_size=spec.config.pool_size)
+    try:
+        if spec.metrics_port is not None:  # the metrics server's thread reads through a sync engine
+            _serve_metrics(spec, queue, make_engine(sync_twin(spec.url)))
+        return await AsyncWorker._from_config(engine, queue, spec.config).run(burst=spec.burst, install_signals=True)
+    finally:
+        await engine.dispose()
+
+
+def _serve_metrics(spec: WorkerProcess, queue: JobQueue[Any, Any], engine: Engine) -> None:
+    if spec.metrics_port is None:
+        return
+    from ..metrics import QueueMetrics  # raises ConfigError naming the extra when it is missing
+
+    try:
+        QueueMetrics(queue, engine).serve(spec.metrics_port, spec.metrics_addr)
+    except OSError as exc:
+        raise ConfigError(f"--metrics-port {spec.metrics_port}: cannot listen on "
+                          f"{spec.metrics_addr}:{spec.metrics_port} ({exc.strerror or exc})") from None

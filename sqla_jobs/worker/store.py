@@ -1,0 +1,303 @@
+"""The worker's database side: every read and write the control loop asks for, through the driver.
+
+One ``Store`` per worker. It owns the control thread's hot connection (on
+PostgreSQL one autocommit connection: each hot write is one fenced statement,
+atomic on its own, so a BEGIN/COMMIT round trip would buy nothing; on
+MariaDB/MySQL one connection kept at READ COMMITTED), writes
+outcomes (``finish_and_claim`` for the batch of successes plus the claim in one
+round trip, ``write_one`` for the rare outcomes), heartbeats, reaps, prunes and
+gives jobs back, and reports each written outcome to the log and the hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
+
+from .._app import JobEvent, JobQueue
+from .._limits import ensure_limits_table, limits_table
+from ..drivers._limits import claim_limited, ensure_rows
+from ..drivers.base import Claimed, Driver, Fence
+from .executor import Outcome
+from .lost import hand_back
+from .reconnect import retry_pause
+
+__all__ = ["MAX_UNCOUNTED_OUTAGES", "Store"]
+
+log = logging.getLogger("sqla_jobs.worker")
+
+_DETAIL = {
+    "finished": "finished",
+    "failed": "failed, retry in {o.delay:.0f}s: {o.error}",
+    "dead_letter": "failed for good, moved to dead letters: {o.error}",
+    "cancelled": "cancelled: {o.error}",
+    "snoozed": "snoozed for {o.delay:g}s",
+    "lost": "claim lost (lease expired or job taken over): result discarded",
+    "outage": "the queue database was unreachable, retry at once, attempt not counted: {o.error}",
+}
+#: Attempts interrupted by an outage of the queue database are refunded this many times per job; after
+#: that they count, so a handler that itself breaks the server (a query that crashes its backend) still
+#: ends in the dead letters instead of retrying forever.
+MAX_UNCOUNTED_OUTAGES = 10
+_UNCOUNTED = "(queue database unreachable, attempt not counted)"
+# What hooks hear of each outcome: an outage is a failed run that is retried.
+_EVENT = {**{name: name for name in _DETAIL}, "outage": "failed"}
+
+
+class Store:
+    def __init__(self, engine: Engine, queue: JobQueue[Any, Any], sql: Driver, worker_name: str,
+                 lease: float, queues: Sequence[str] | None) -> None:
+        self.engine = engine
+        self.queue = queue
+        self.sql = sql
+        self.worker_name = worker_name
+        self.lease = lease
+        self.queues = list(queues) if queues else None
+        self._conn: Connection | None = None
+        self.processed = 0  # outcomes written
+        #: Kinds with limits across workers (sqla_jobs._limits): claimed by claim_limited, skipped by the
+        #: ordinary claim. None of them: the claim is the plain one, not one statement more.
+        self.limits = queue.kind_limits()
+        self.limited_kinds = [lim.kind for lim in self.limits]
+        self.limits_table = limits_table(queue) if self.limits else None
+        self._capped_only = all(lim.running is not None and lim.key is None and not lim.rate_count
+                                for lim in self.limits)
+
+    def prepare(self, listen: bool, poll_interval: float) -> None:
+        """Before the first claim: the schema is the app's, the driver is ready, wake-ups can work."""
+        self.queue.check_schema(self.engine)
+        self.sql.prepare(self.engine)
+        if self.limits_table is not None:
+            ensure_limits_table(self.engine, self.limits_table)
+            ensure_rows(self.sql, self.engine, self.limits_table, [lim.row for lim in self.limits])
+        if listen:
+            with self.engine.connect() as conn:
+                if not self.sql.has_notify_trigger(conn):
+                    log.warning("worker %s: table %s has no NOTIFY trigger, so new jobs are found by polling "
+                                "every %gs; add it with `sqla-jobs migrations render` or `create-tables`",
+                                self.worker_name, self.sql.jobs.fullname, poll_interval)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def retry_pause(self, exc: BaseException, failures: int) -> float:
+        return retry_pause(self.sql, self.engine, exc, failures)
+
+    @contextmanager
+    def _hot(self) -> Iterator[Connection]:
+        """The connection for the worker's short writes (claim, finish, heartbeat, release).
+
+        One long-lived connection at the driver's ``hot_isolation``: on PostgreSQL in
+        autocommit (each hot write is one fenced statement), on MariaDB/MySQL at READ
+        COMMITTED, set once for the connection instead of once per transaction, with
+        each use committed here. Where there is none (SQLite), each use is a
+        ``Driver.write`` transaction. Writes of several statements (dead-lettering,
+        the reaper) always use ``Driver.write``.
+        """
+        isolation = self.sql.hot_isolation
+        if isolation is None:
+            with self.sql.write(self.engine) as conn:
+                yield conn
+            return
+        if self._conn is None:
+            # SQLAlchemy puts the connection's isolation back when it returns to the pool, so the app's
+            # own checkouts never see this one.
+            self._conn = self.engine.connect().execution_options(isolation_level=isolation)
+        conn = self._conn
+        try:
+            yield conn
+            if isolation != "AUTOCOMMIT":
+                conn.commit()
+        except DBAPIError:
+            self._conn = None
+            try:
+                conn.invalidate()
+                conn.close()
+            except Exception:
+                pass
+            raise
+        except BaseException:
+            if isolation != "AUTOCOMMIT" and conn.in_transaction():
+                conn.rollback()
+            raise
+
+    # -- the hot path ------------------------------------------------------------------
+
+    def finish_and_claim(self, ok: list[Outcome], limit: int, token: str, alone: bool,
+                         queues: Sequence[str] | None = None, plain: bool = True) -> tuple[list[Claimed], bool, bool]:
+        """Mark ``ok`` finished and claim up to ``limit`` jobs, in one round trip; report the finished ones.
+
+        ``queues``: claim from these (a per-queue claim) instead of the worker's queues.
+        ``plain``: with limits, whether to make the ordinary claim (of the kinds without limits) too.
+        Returns the claimed jobs, whether a job that must run alone is waiting, and whether the ordinary
+        claim, made beside limits, found fewer jobs than it asked for (always False without limits).
+        """
+        queues = queues if queues is not None else self.queues
+        fences = [o.job.fence for o in ok]
+        short = False
+        if self.limits_table is None or limit <= 0:  # no limits (or no claim): the one round trip it always was
+            with self._hot() as conn:
+                kept, jobs, waiting = self.sql.finish_and_claim(
+                    conn, fences, limit, self.worker_name, token, self.lease, queues, alone=alone,
+                    skip_kinds=self.limited_kinds,
+                )
+        elif (fast := self._capped(fences, limit, token, alone, queues, plain)) is not None:
+            kept, jobs, waiting, short = fast
+        else:
+            # One transaction, so a claim is never half made: the finishes first (the jobs just done no longer
+            # count as running), then the kinds with limits (drivers/_limits.py, under their rows' locks), then
+            # the ordinary claim, skipping those kinds, for the threads still free.
+            with self.sql.write(self.engine) as conn:
+                kept = self.sql.finish(conn, fences)
+                jobs, waiting, lone = claim_limited(self.sql, conn, self.limits_table, self.limits, limit,
+                                                    self.worker_name, token, self.lease, queues, alone)
+                if plain and not lone and len(jobs) < limit:
+                    wanted = limit - len(jobs)
+                    _, others, others_waiting = self.sql.finish_and_claim(
+                        conn, [], wanted, self.worker_name, token, self.lease, queues,
+                        alone=alone and not jobs, skip_kinds=self.limited_kinds,
+                    )
+                    short = len(others) < wanted
+                    jobs, waiting = jobs + others, waiting or others_waiting
+        for o in ok:
+            o.written = True
+            self.report(o, "finished" if o.job.id in kept else "lost")
+        return jobs, waiting, short
+
+    def _capped(self, fences: list[Fence], limit: int, token: str, alone: bool, queues: Sequence[str] | None,
+                plain: bool) -> tuple[set[int], list[Claimed], bool, bool] | None:
+        """``finish_and_claim`` the backend's faster way, when it has one and every limit is a plain running
+        limit (PostgreSQL: one pipeline on the hot connection, drivers/postgresql/capped.py); None: it has not."""
+        if not self._capped_only or self.sql.hot_isolation != "AUTOCOMMIT":
+            return None
+        assert self.limits_table is not None
+        with self._hot() as conn:
+            fast = self.sql.finish_and_claim_capped(conn, fences, self.limits_table, self.limits, limit,
+                                                    self.worker_name, token, self.lease, queues, alone, plain)
+        if fast is None:
+            return None
+        kept, jobs, waiting, short, missing = fast
+        if missing:  # someone deleted the kind's row: made again for the next claim
+            ensure_rows(self.sql, self.engine, self.limits_table, missing)
+        return kept, jobs, waiting, short
+
+    def finish_with_results(self, ok: list[Outcome]) -> None:
+        """Finish runs that returned a value or left progress unwritten: store both, then finish, in one
+        transaction (off the hot path: a handler returning None never comes here)."""
+        with self.sql.write(self.engine) as conn:
+            self.sql.set_results(conn, [(o.job.fence, o.value, o.progress) for o in ok])
+            kept = self.sql.finish(conn, [o.job.fence for o in ok])
+        for o in ok:
+            o.written = True
+            self.report(o, "finished" if o.job.id in kept else "lost")
+
+    def heartbeat(self, fences: list[Fence]) -> tuple[set[Fence], set[Fence]]:
+        """Extend the leases of ``fences``; returns those still ours, and those of them someone asked to cancel."""
+        with self._hot() as conn:
+            kept = self.sql.heartbeat(conn, fences, self.lease)
+            return kept, self.sql.cancel_requests(conn, list(kept)) if kept else set()
+
+    def cancel_requests(self, fences: list[Fence]) -> set[Fence]:
+        """Which of these runs someone asked to cancel (between heartbeats, after a notification)."""
+        with self._hot() as conn:
+            return self.sql.cancel_requests(conn, fences)
+
+    def write_progress(self, rows: list[tuple[Fence, Any]]) -> None:
+        """Store the latest progress values of running jobs (fenced: a run no longer ours is skipped)."""
+        with self._hot() as conn:
+            self.sql.set_progress(conn, rows)
+
+    def give_back(self, fences: list[Fence]) -> int:
+        with self._hot() as conn:
+            return self.sql.give_back(conn, fences)
+
+    # -- the rare outcomes -------------------------------------------------------------
+
+    def write_one(self, o: Outcome) -> None:
+        """Write a failure, snooze, cancel, outage (or report a committed / lost run) in its own transaction."""
+        job = o.job
+        if o.result == "committed":
+            self.report(o, "finished")
+            return
+        if o.result == "lost":
+            self.report(o, "lost")
+            return
+        sql = self.sql
+        # Whether a cancel was requested while the job ran decides what the write is.
+        with sql.write(self.engine) as conn:
+            if o.result in ("snooze", "error", "outage") and sql.cancel_requested(conn, job.fence):
+                # `jobs cancel` came while it ran: no retry, no dead letter.
+                applied = sql.release(conn, job.fence, error=o.error or None, attempt=job.attempt, cancel=True)
+                name = "cancelled"
+            elif o.result == "snooze":
+                applied = sql.release(conn, job.fence, delay=o.delay, refund=True)
+                name = "snoozed"
+            elif o.result == "outage" and self._outages(conn, job.fence) < MAX_UNCOUNTED_OUTAGES:
+                # Not the job's fault: refund the attempt, keep the error for the record.
+                applied = sql.release(conn, job.fence, error=f"{o.error} {_UNCOUNTED}",
+                                      attempt=job.attempt, refund=True)
+                name = "outage"
+            elif o.result == "cancel":
+                applied = sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
+                name = "cancelled"
+            elif job.attempt >= job.max_attempts:
+                applied = sql.dead_letter(conn, job.fence, o.error)
+                name = "dead_letter"
+            else:
+                o.delay = self.queue.retry_delay(job.kind, job.attempt)
+                applied = sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
+                name = "failed"
+            if not applied and o.committing and sql.finished_under(conn, job.fence):
+                applied, name = True, "finished"  # the commit went through; only its reply was lost
+        self.report(o, name if applied else "lost")
+
+    def _outages(self, conn: Connection, fence: Fence) -> int:
+        """How many attempts of this job were already refunded for outages (a rare path: one read)."""
+        return sum(_UNCOUNTED in str(e.get("error", "")) for e in self.sql.errors_of(conn, fence))
+
+    def report(self, o: Outcome, name: str) -> None:
+        job = o.job
+        self.processed += 1
+        level = logging.WARNING if name in ("dead_letter", "lost") else logging.INFO
+        if log.isEnabledFor(level):  # this runs per job: format only what is printed
+            log.log(level, "job %d %s attempt %d/%d (%.1f ms): %s", job.id, job.kind, job.attempt,
+                    job.max_attempts, o.duration * 1000, _DETAIL[name].format(o=o))
+        event = _EVENT[name]
+        if self.queue.listens(event):
+            self.queue.emit(JobEvent(event, job.id, job.kind, job.queue, job.attempt, job.max_attempts,
+                                     o.duration, o.error or None))
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    def reap(self) -> None:
+        """Hand back jobs whose worker vanished, by the rules of sqla_jobs.worker.lost (the lost attempt counts,
+        and the job's next run is alone in its worker process)."""
+        hand_back(self.queue, self.engine, self.sql, self.sql.expired,
+                  "worker {row.locked_by} stopped heartbeating (lease expired)")
+
+    def upkeep(self) -> None:
+        """The table's own upkeep (``Driver.upkeep``: the coming days' partitions of a partitioned table).
+
+        A failure (the role may not create tables, say) is logged, not raised: the claims go on, and
+        finished jobs land in the DEFAULT partition until a later round works.
+        """
+        try:
+            with self.engine.begin() as conn:
+                self.sql.upkeep(conn)
+        except DBAPIError as exc:
+            log.warning("worker %s: the table's upkeep failed, tried again later: %s",
+                        self.worker_name, str(exc).splitlines()[0])
+
+    def prune(self, older_than: float, batch: int) -> int:
+        """Delete one batch of old finished jobs (one worker at a time: the driver's prune lock)."""
+        deleted = self.queue.prune(self.engine, older_than=older_than, batch_size=batch, max_batches=1)
+        if deleted:
+            log.info("worker %s: pruned %d finished job(s) older than %gs", self.worker_name, deleted, older_than)
+        return deleted
