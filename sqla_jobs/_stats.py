@@ -130,21 +130,21 @@ class QueueStats:
         return data
 
 
-def collect(sql: Driver, conn: Connection, window: float = DEFAULT_WINDOW, *, run_times: bool = True) -> QueueStats:
+def collect(driver: Driver, conn: Connection, window: float = DEFAULT_WINDOW, *, run_times: bool = True) -> QueueStats:
     """Read the figures in one read-only pass. ``run_times=False`` skips the window's run
     times and throughput (what a frequent Prometheus scrape needs is only the cheap counts)."""
     if window <= 0:
         raise ConfigError(f"the stats window must be > 0 seconds, got {window:g}")
     per_queue: dict[str, dict[str, Any]] = defaultdict(dict)
-    for row in sql.pending_by_queue(conn):
+    for row in driver.pending_by_queue(conn):
         age = None if row.oldest_age is None else max(0.0, float(row.oldest_age))
         per_queue[row.queue].update(ready=row.ready, scheduled=row.scheduled, oldest_pending_age=age)
-    for row in sql.running_by_queue(conn):
+    for row in driver.running_by_queue(conn):
         per_queue[row.queue].update(running=row.running, expired_leases=row.expired)
     queues = [QueueLength(name, **figures) for name, figures in sorted(per_queue.items())]
     ages = [q.oldest_pending_age for q in queues if q.oldest_pending_age is not None]
-    dead = [DeadLetters(r.kind, r.total, r.recent) for r in sql.dead_by_kind(conn, window)]
-    times = _run_times(sql, conn, window) if run_times else []
+    dead = [DeadLetters(r.kind, r.total, r.recent) for r in driver.dead_by_kind(conn, window)]
+    times = _run_times(driver, conn, window) if run_times else []
     finished = sum(r.count for r in times)
     return QueueStats(
         window=window,
@@ -157,14 +157,14 @@ def collect(sql: Driver, conn: Connection, window: float = DEFAULT_WINDOW, *, ru
         queues=queues,
         dead=dead,
         run_times=times,
-        retrying={r.kind: r.retrying for r in sql.retrying_by_kind(conn)},
+        retrying={r.kind: r.retrying for r in driver.retrying_by_kind(conn)},
     )
 
 
-def _run_times(sql: Driver, conn: Connection, window: float) -> list[RunTime]:
+def _run_times(driver: Driver, conn: Connection, window: float) -> list[RunTime]:
     minutes = window / 60.0
     return [RunTime(kind, count, mean, p50, p95, top, count / minutes)
-            for kind, count, mean, p50, p95, top in sql.run_times(conn, window)]
+            for kind, count, mean, p50, p95, top in driver.run_times(conn, window)]
 
 
 def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:

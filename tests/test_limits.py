@@ -278,7 +278,7 @@ def test_the_claim_of_other_kinds_is_not_repeated_while_it_finds_nothing(db: Dat
     with Session(db.engine) as session, session.begin():
         _paced_app.enqueue_many(session, [{"kind": "slow_capped"} for _ in range(40)])
     worker = Worker(db.engine, _paced_app, concurrency=4, poll_interval=0.5, listen=False)
-    driver = worker._store.sql  # the worker's own driver: count the ordinary claims it makes beside limits
+    driver = worker._store.driver  # the worker's own driver: count the ordinary claims it makes beside limits
     ordinary: list[float] = []
     claim = driver.finish_and_claim
 
@@ -343,7 +343,7 @@ def test_a_worker_that_keeps_no_finished_jobs_deletes_limited_ones_too(db: Datab
         queue.handler("free")(lambda payload: None)
     _enqueue(db, [{"kind": "capped"} for _ in range(30)] + [{"kind": "free"} for _ in range(30)])
     worker = Worker(db.engine, queue, concurrency=4, poll_interval=0.05, prune_after=0)
-    assert worker.sql.discard_finished
+    assert worker.driver.discard_finished
     assert worker.run(burst=True, install_signals=False) == 0
     with db.engine.connect() as conn:
         assert conn.execute(select(func.count()).select_from(app.Job.__table__)).scalar() == 0

@@ -70,8 +70,8 @@ def test_prune_after_zero_deletes_finished_jobs_and_keeps_every_other_outcome(db
     names the setting in its start line; successes (plain, with a result, transactional with and without
     one, after a retry) leave no row, while a cancelled job stays ``cancelled`` and one that failed for
     good is dead-lettered."""
-    assert Worker(db.engine, app.queue, prune_after=0).sql.discard_finished
-    assert not Worker(db.engine, app.queue, prune_after=60).sql.discard_finished
+    assert Worker(db.engine, app.queue, prune_after=0).driver.discard_finished
+    assert not Worker(db.engine, app.queue, prune_after=60).driver.discard_finished
     assert not app.queue.driver(db.engine).discard_finished
     assert "finished jobs deleted as they finish" in Worker(db.engine, app.queue, prune_after=0).config.summary()
     assert "deleted" not in Worker(db.engine, app.queue).config.summary()

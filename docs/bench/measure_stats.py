@@ -85,7 +85,7 @@ def main() -> int:
             print(f"{label}: median {statistics.median(times) * 1000:.1f} ms over {args.runs} runs "
                   f"(min {min(times) * 1000:.1f}, max {max(times) * 1000:.1f}); ready={s.ready} "
                   f"scheduled={s.scheduled} running={s.running} finished={s.finished} dead={s.dead_total}")
-        sql = queue.sql(engine)
+        driver = queue.driver(engine)
         with engine.connect() as conn:
             captured = []
             real = conn.execute
@@ -95,10 +95,10 @@ def main() -> int:
                 return real(stmt, *a, **k)
 
             conn.execute = capture  # type: ignore[method-assign]
-            sql.pending_by_queue(conn)
-            sql.running_by_queue(conn)
-            sql.dead_by_kind(conn, 3600)
-            sql.run_times(conn, 3600)
+            driver.pending_by_queue(conn)
+            driver.running_by_queue(conn)
+            driver.dead_by_kind(conn, 3600)
+            driver.run_times(conn, 3600)
             conn.execute = real  # type: ignore[method-assign]
             for stmt in captured:
                 compiled = stmt.compile(conn, compile_kwargs={"literal_binds": True})

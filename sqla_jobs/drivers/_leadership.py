@@ -19,40 +19,40 @@ from sqlalchemy.exc import IntegrityError
 from .base import Driver
 
 
-def take_or_renew(sql: Driver, conn: Connection, leader: Table, name: str, holder: str, lease: float) -> int | None:
+def take_or_renew(driver: Driver, conn: Connection, leader: Table, name: str, holder: str, lease: float) -> int | None:
     """Hold ``name`` for ``lease`` more seconds if ``holder`` has it or it expired; the term, or None.
 
     The term grows by one each time the lease changes hands or lapses, so a
     leader that lost it and got it back starts a new term.
     """
-    t, now = leader, sql.now()
+    t, now = leader, driver.now()
     unbroken = (t.c.holder == holder) & (t.c.expires_at >= now)
     taken = conn.execute(
         update(t)
         .where(t.c.name == name, (t.c.holder == holder) | (t.c.expires_at < now))
-        .values(holder=holder, term=case((unbroken, t.c.term), else_=t.c.term + 1), expires_at=sql.later(lease))
+        .values(holder=holder, term=case((unbroken, t.c.term), else_=t.c.term + 1), expires_at=driver.later(lease))
     ).rowcount
     if not taken:
         if conn.execute(select(t.c.name).where(t.c.name == name)).first() is not None:
             return None  # held by another worker, unexpired
         try:  # the first worker ever: create the row; of rivals doing the same, one wins here
             with conn.begin_nested():
-                conn.execute(insert(t).values(name=name, holder=holder, term=1, expires_at=sql.later(lease)))
+                conn.execute(insert(t).values(name=name, holder=holder, term=1, expires_at=driver.later(lease)))
         except IntegrityError:
             return None
     term = conn.execute(select(t.c.term).where(t.c.name == name, t.c.holder == holder)).scalar()
     return None if term is None else int(term)
 
 
-def resign(sql: Driver, conn: Connection, leader: Table, name: str, holder: str, term: int) -> bool:
+def resign(driver: Driver, conn: Connection, leader: Table, name: str, holder: str, term: int) -> bool:
     """Let the lease lapse now, if ``holder`` still holds it in ``term``: the next worker takes over at once."""
     t = leader
-    stmt = update(t).where(t.c.name == name, t.c.holder == holder, t.c.term == term).values(expires_at=sql.ago(1.0))
+    stmt = update(t).where(t.c.name == name, t.c.holder == holder, t.c.term == term).values(expires_at=driver.ago(1.0))
     return bool(conn.execute(stmt).rowcount)
 
 
-def current(sql: Driver, conn: Connection, leader: Table, name: str) -> Any:
+def current(driver: Driver, conn: Connection, leader: Table, name: str) -> Any:
     """(holder, term, seconds left: negative once expired) of ``name``'s lease, or None if nobody ever held it."""
     t = leader
-    left = sql.seconds_between(t.c.expires_at, sql.now()).label("seconds_left")
+    left = driver.seconds_between(t.c.expires_at, driver.now()).label("seconds_left")
     return conn.execute(select(t.c.holder, t.c.term, left).where(t.c.name == name)).first()

@@ -90,42 +90,42 @@ class LimitSpec(Protocol):
 ENSURE_ATTEMPTS = 5
 
 
-def payload_key(sql: Driver, field: str) -> ColumnElement[str]:
+def payload_key(driver: Driver, field: str) -> ColumnElement[str]:
     """A top-level payload field as text, '' when it is missing, computed by the database.
 
     ``field`` was checked when the handler was registered (letters, digits, ``_``, ``-``), so it may sit in the
     JSON path's text.
     """
-    payload = sql.jobs.c.payload
-    if sql.name == "postgresql":  # jsonb ->> text
+    payload = driver.jobs.c.payload
+    if driver.name == "postgresql":  # jsonb ->> text
         value: ColumnElement[Any] = payload.op("->>", return_type=String())(cast(literal(field), String()))
-    elif sql.name == "sqlite":
+    elif driver.name == "sqlite":
         value = cast(func.json_extract(payload, f'$."{field}"'), String())
     else:  # MariaDB / MySQL: the payload is LONGTEXT holding JSON
         value = func.json_unquote(func.json_extract(payload, f'$."{field}"'))
     return func.coalesce(value, literal(""))
 
 
-def running_counts(sql: Driver, conn: Connection, limit: LimitSpec) -> dict[str, int]:
+def running_counts(driver: Driver, conn: Connection, limit: LimitSpec) -> dict[str, int]:
     """Running jobs of the kind: {"": n} without a key, else per key."""
-    t = sql.jobs
+    t = driver.jobs
     if limit.key is None:
         stmt = select(literal(""), func.count()).where(t.c.state == "running", t.c.kind == limit.kind)
     else:
-        key = payload_key(sql, limit.key)
+        key = payload_key(driver, limit.key)
         stmt = select(key, func.count()).where(t.c.state == "running", t.c.kind == limit.kind).group_by(key)
     return {str(k): int(n) for k, n in conn.execute(stmt)}
 
 
-def _lock_row(sql: Driver, conn: Connection, table: Table, name: str) -> Any:
+def _lock_row(driver: Driver, conn: Connection, table: Table, name: str) -> Any:
     """The kind's limits row, locked until the transaction ends (created on first use): (tokens, elapsed)."""
-    elapsed = sql.seconds_between(sql.now(), table.c.updated_at).label("elapsed")
+    elapsed = driver.seconds_between(driver.now(), table.c.updated_at).label("elapsed")
     stmt = select(table.c.tokens, elapsed).where(table.c.name == name).with_for_update()
     row = conn.execute(stmt).first()
     if row is None:
         try:  # the first claim of the kind ever; of rivals doing the same, one inserts, the others wait below
             with conn.begin_nested():
-                conn.execute(insert(table).values(name=name, tokens=None, updated_at=sql.now()))
+                conn.execute(insert(table).values(name=name, tokens=None, updated_at=driver.now()))
         except IntegrityError:
             pass
         row = conn.execute(stmt).one()
@@ -133,7 +133,7 @@ def _lock_row(sql: Driver, conn: Connection, table: Table, name: str) -> Any:
 
 
 def claim_limited(
-    sql: Driver,
+    driver: Driver,
     conn: Connection,
     table: Table,
     limits: Sequence[LimitSpec],
@@ -157,7 +157,7 @@ def claim_limited(
         if free <= 0:
             break
         if limit.running is not None and limit.key is None and not limit.rate_count:
-            fast = sql.claim_capped(conn, table, limit.row, limit.kind, limit.running, budget0, worker, token,
+            fast = driver.claim_capped(conn, table, limit.row, limit.kind, limit.running, budget0, worker, token,
                                     lease, queues, alone0)
             if fast is not None:  # the backend's own way (PostgreSQL: drivers/postgresql/capped.py)
                 jobs, left = fast
@@ -168,9 +168,9 @@ def claim_limited(
                     return claimed, waiting, True
                 alone = alone and not jobs
                 continue
-        if not _worth_locking(sql, conn, table, limit, queues):
+        if not _worth_locking(driver, conn, table, limit, queues):
             continue
-        row = _lock_row(sql, conn, table, limit.row)
+        row = _lock_row(driver, conn, table, limit.row)
         budget = free
         tokens = None
         if limit.rate_count:
@@ -180,27 +180,27 @@ def claim_limited(
             budget = min(budget, math.floor(tokens + 1e-9))
         room: dict[str, int] | None = None
         if limit.running is not None:
-            counts = running_counts(sql, conn, limit)
+            counts = running_counts(driver, conn, limit)
             if limit.key is None:
                 budget = min(budget, limit.running - counts.get("", 0))
             else:
                 room = {k: limit.running - n for k, n in counts.items()}
         if budget > 0:
-            jobs, left, lone = _take(sql, conn, limit, budget, room, worker, token, lease, queues, alone)
+            jobs, left, lone = _take(driver, conn, limit, budget, room, worker, token, lease, queues, alone)
             waiting = waiting or left
             claimed += jobs
             free -= len(jobs)
             if lone:
-                _save_bucket(sql, conn, table, limit.row, row, tokens, len(jobs))
+                _save_bucket(driver, conn, table, limit.row, row, tokens, len(jobs))
                 return claimed, waiting, True
             alone = alone and not jobs
         else:
             jobs = []
-        _save_bucket(sql, conn, table, limit.row, row, tokens, len(jobs))
+        _save_bucket(driver, conn, table, limit.row, row, tokens, len(jobs))
     return claimed, waiting, False
 
 
-def ensure_rows(sql: Driver, engine: Engine, table: Table, names: Sequence[str]) -> None:
+def ensure_rows(driver: Driver, engine: Engine, table: Table, names: Sequence[str]) -> None:
     """Create the limits rows ``names`` if missing (the backend's own claim, ``Driver.finish_and_claim_capped``,
     locks them but does not create them).
 
@@ -210,17 +210,17 @@ def ensure_rows(sql: Driver, engine: Engine, table: Table, names: Sequence[str])
     """
     for attempt in range(1, ENSURE_ATTEMPTS + 1):
         try:
-            with sql.write(engine) as conn:
+            with driver.write(engine) as conn:
                 for name in sorted(names):
-                    _lock_row(sql, conn, table, name)
+                    _lock_row(driver, conn, table, name)
             return
         except DBAPIError as exc:
-            if attempt == ENSURE_ATTEMPTS or not sql.is_conflict(exc):
+            if attempt == ENSURE_ATTEMPTS or not driver.is_conflict(exc):
                 raise
             time.sleep(0.02 * attempt)
 
 
-def _worth_locking(sql: Driver, conn: Connection, table: Table, limit: LimitSpec,
+def _worth_locking(driver: Driver, conn: Connection, table: Table, limit: LimitSpec,
                    queues: Sequence[str] | None) -> bool:
     """Whether the kind may have a job to claim, read without any lock: is one due, is the kind below its
     limit, does its bucket hold a token.
@@ -230,8 +230,8 @@ def _worth_locking(sql: Driver, conn: Connection, table: Table, limit: LimitSpec
     checked again under it. It keeps claimers that have nothing to take off the kind's row: with the kind at
     its limit, every worker's poll would otherwise queue for the lock behind the others.
     """
-    t = sql.jobs
-    due = select(t.c.id).where(t.c.state == "pending", t.c.run_at <= sql.now(), t.c.kind == limit.kind)
+    t = driver.jobs
+    due = select(t.c.id).where(t.c.state == "pending", t.c.run_at <= driver.now(), t.c.kind == limit.kind)
     if queues:
         due = due.where(t.c.queue.in_(list(queues)))
     columns: list[Any] = [exists(due)]
@@ -242,7 +242,7 @@ def _worth_locking(sql: Driver, conn: Connection, table: Table, limit: LimitSpec
     if not row[0] or (len(row) > 1 and limit.running is not None and row[1] >= limit.running):
         return False
     if limit.rate_count:
-        elapsed = sql.seconds_between(sql.now(), table.c.updated_at)
+        elapsed = driver.seconds_between(driver.now(), table.c.updated_at)
         bucket = conn.execute(select(table.c.tokens, elapsed).where(table.c.name == limit.row)).first()
         if bucket is not None and bucket[0] is not None and bucket[1] is not None:
             return float(bucket[0]) + max(float(bucket[1]), 0.0) * limit.refill >= 1.0 - 1e-9
@@ -250,7 +250,7 @@ def _worth_locking(sql: Driver, conn: Connection, table: Table, limit: LimitSpec
 
 
 def _take(
-    sql: Driver,
+    driver: Driver,
     conn: Connection,
     limit: LimitSpec,
     budget: int,
@@ -262,11 +262,11 @@ def _take(
     alone: bool,
 ) -> tuple[list[Claimed], bool, bool]:
     """The due jobs of one kind, in claim order, within ``budget`` and each key's ``room``."""
-    t = sql.jobs
-    key = payload_key(sql, limit.key) if limit.key is not None else literal("")
+    t = driver.jobs
+    key = payload_key(driver, limit.key) if limit.key is not None else literal("")
     due = select(t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority,
                  t.c.isolate, key.label("limit_key")).where(
-        t.c.state == "pending", t.c.run_at <= sql.now(), t.c.kind == limit.kind)
+        t.c.state == "pending", t.c.run_at <= driver.now(), t.c.kind == limit.kind)
     if queues:
         due = due.where(t.c.queue.in_(list(queues)))
     window = budget
@@ -276,7 +276,7 @@ def _take(
             due = due.where(key.not_in(full))
         window = budget * _KEY_WINDOW
     due = due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(window)
-    rows = list(conn.execute(sql.skip_locked(due)))
+    rows = list(conn.execute(driver.skip_locked(due)))
     isolated = [r for r in rows if r.isolate]
     if alone and isolated:
         chosen, waiting, lone = isolated[:1], len(isolated) > 1, True
@@ -297,14 +297,14 @@ def _take(
         return [], waiting, False
     # The rows are ours: locked above (FOR UPDATE SKIP LOCKED), or under SQLite's write lock.
     conn.execute(update(t).where(t.c.id.in_([r.id for r in chosen])).values(
-        state="running", attempts=t.c.attempts + 1, locked_at=sql.now(), locked_by=worker, claim_token=token,
-        lease_expires_at=sql.later(lease)))
+        state="running", attempts=t.c.attempts + 1, locked_at=driver.now(), locked_by=worker, claim_token=token,
+        lease_expires_at=driver.later(lease)))
     jobs = [Claimed(r.id, r.kind, r.queue, r.payload, r.attempts + 1, r.max_attempts, r.priority, token,
                     bool(r.isolate)) for r in chosen]
     return jobs, waiting, lone
 
 
-def _save_bucket(sql: Driver, conn: Connection, table: Table, name: str, row: Any, tokens: float | None,
+def _save_bucket(driver: Driver, conn: Connection, table: Table, name: str, row: Any, tokens: float | None,
                  taken: int) -> None:
     """Write the rate's bucket back: the refilled tokens less those taken, as of now.
 
@@ -315,5 +315,5 @@ def _save_bucket(sql: Driver, conn: Connection, table: Table, name: str, row: An
         return
     values: dict[str, Any] = {"tokens": tokens - taken}
     if row.elapsed is None or float(row.elapsed) >= 0:
-        values["updated_at"] = sql.now()
+        values["updated_at"] = driver.now()
     conn.execute(update(table).where(table.c.name == name).values(**values))

@@ -116,7 +116,7 @@ class Relay:
         self.poll_interval = poll_interval
         self.reconnect = reconnect or Backoff(base=0.5, factor=2.0, cap=30.0)
         self.name = f"{socket.gethostname()}:{os.getpid()}:{name or 'relay'}"
-        self.sql = app.driver(engine)
+        self.driver = app.driver(engine)
         self.counts = RelayCounts()
         self.listen = listen
         self._stop = threading.Event()
@@ -143,7 +143,7 @@ class Relay:
         log.info("relay %s: queues %s -> %s", self.name, ", ".join(self.queues), self.target.describe())
         failures = 0  # broker connection failures in a row
         self._connected = False
-        listener = self.sql.listener(self.engine, self._wake.set, self.name) if self.listen else None
+        listener = self.driver.listener(self.engine, self._wake.set, self.name) if self.listen else None
         if listener is not None:
             listener.start()
         try:
@@ -159,7 +159,7 @@ class Relay:
                     failures = 1
                     continue
                 except SQLAlchemyError as exc:  # the database: the same pause a worker takes
-                    pause = retry_pause(self.sql, self.engine, exc, failures + 1)
+                    pause = retry_pause(self.driver, self.engine, exc, failures + 1)
                     failures += 1
                     log.warning("relay %s: database error, retry in %.1fs: %s", self.name, pause, exc)
                     await self._sleep(pause)
@@ -236,8 +236,8 @@ class Relay:
     # -- the database side (in a thread: the event loop keeps the broker connection alive) --------
 
     def _claim(self) -> list[Claimed]:
-        with self.sql.write(self.engine) as conn:
-            jobs, waiting = self.sql.claim_batch(conn, self.batch, self.name, uuid.uuid4().hex, self.lease,
+        with self.driver.write(self.engine) as conn:
+            jobs, waiting = self.driver.claim_batch(conn, self.batch, self.name, uuid.uuid4().hex, self.lease,
                                                  self.queues, self._alone)
         self._alone = waiting
         return jobs
@@ -245,8 +245,8 @@ class Relay:
     def _finish(self, jobs: list[Claimed]) -> None:
         if not jobs:
             return
-        with self.sql.write(self.engine) as conn:
-            kept = self.sql.finish(conn, [job.fence for job in jobs])
+        with self.driver.write(self.engine) as conn:
+            kept = self.driver.finish(conn, [job.fence for job in jobs])
         self.counts.published += len(kept)
         if len(kept) < len(jobs):
             # Their lease ran out first and someone took them over: they will be published again (same id).
@@ -264,15 +264,15 @@ class Relay:
     def _fail(self, failed: list[tuple[Claimed, str]]) -> None:
         """A refused or unroutable message: a failed attempt, retried with the app's backoff."""
         events = []
-        with self.sql.write(self.engine) as conn:
+        with self.driver.write(self.engine) as conn:
             for job, error in failed:
                 if job.attempt >= job.max_attempts:
-                    if self.sql.dead_letter(conn, job.fence, error):
+                    if self.driver.dead_letter(conn, job.fence, error):
                         events.append(("dead_letter", job, error))
                     log.warning("job %d %s: %s; moved to dead letters", job.id, job.kind, error)
                 else:
                     delay = self.app.retry_delay(job.kind, job.attempt)
-                    if self.sql.release(conn, job.fence, delay=delay, error=error, attempt=job.attempt):
+                    if self.driver.release(conn, job.fence, delay=delay, error=error, attempt=job.attempt):
                         events.append(("failed", job, error))
                     log.warning("job %d %s: %s; retry in %.1fs", job.id, job.kind, error, delay)
         for name, job, error in events:  # after the commit, like the worker's hooks
@@ -281,20 +281,20 @@ class Relay:
     def _interrupted(self, jobs: list[Claimed], why: str) -> None:
         """The broker went away mid-batch: every job of it goes back, the attempt refunded (bounded)."""
         delay = self.reconnect.delay(1)
-        with self.sql.write(self.engine) as conn:
+        with self.driver.write(self.engine) as conn:
             for job in jobs:
                 self._give_back(conn, job.fence, job.attempt, job.max_attempts, f"BrokerUnavailable: {why}", delay)
         self.counts.interrupted += len(jobs)
 
     def _reap(self) -> None:
         """Hand back the jobs of a relay that died (lease expired) in this relay's queues."""
-        with self.sql.write(self.engine) as conn:
-            rows = [r for r in self.sql.expired(conn, limit=self.batch * 4) if r.queue in self.queues]
+        with self.driver.write(self.engine) as conn:
+            rows = [r for r in self.driver.expired(conn, limit=self.batch * 4) if r.queue in self.queues]
             for row in rows:
                 fence = (row.id, row.claim_token)
                 error = f"RelayLost: relay {row.locked_by} stopped before the broker acknowledged"
                 if row.cancelled_at is not None:
-                    self.sql.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
+                    self.driver.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
                 else:
                     self._give_back(conn, fence, row.attempts, row.max_attempts, error, 0.0)
         if rows:
@@ -303,11 +303,11 @@ class Relay:
 
     def _give_back(self, conn: Connection, fence: Fence, attempt: int, max_attempts: int, error: str,
                    delay: float) -> None:
-        losses = sum(_UNCOUNTED in str(e.get("error", "")) for e in self.sql.errors_of(conn, fence))
+        losses = sum(_UNCOUNTED in str(e.get("error", "")) for e in self.driver.errors_of(conn, fence))
         if losses < MAX_UNCOUNTED_LOSSES:
-            self.sql.release(conn, fence, delay=delay, error=f"{error} {_UNCOUNTED}", attempt=attempt,
+            self.driver.release(conn, fence, delay=delay, error=f"{error} {_UNCOUNTED}", attempt=attempt,
                              refund=True, isolate=False)
         elif attempt >= max_attempts:
-            self.sql.dead_letter(conn, fence, error)
+            self.driver.dead_letter(conn, fence, error)
         else:
-            self.sql.release(conn, fence, delay=delay, error=error, attempt=attempt, isolate=False)
+            self.driver.release(conn, fence, delay=delay, error=error, attempt=attempt, isolate=False)

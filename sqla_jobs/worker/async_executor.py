@@ -60,11 +60,11 @@ class AsyncExecutor(Executor):
     """Runs claimed jobs as tasks on ``loop`` (touched only from that loop's thread: the control loop
     runs there too, in a greenlet, so the inherited bookkeeping needs no more locking than before)."""
 
-    def __init__(self, engine: AsyncEngine, queue: JobQueue[Any, Any], sql: Driver, concurrency: int,
+    def __init__(self, engine: AsyncEngine, queue: JobQueue[Any, Any], driver: Driver, concurrency: int,
                  worker_name: str, database: DatabaseKey, wake: AsyncWake, loop: asyncio.AbstractEventLoop, *,
                  sync_engine: Engine | None = None, count_queues: bool = False) -> None:
         # ``sync_engine``: the plain transactional handlers' (``Executor._execute_in_transaction`` uses it).
-        super().__init__(sync_engine or engine.sync_engine, queue, sql, concurrency, worker_name, database,
+        super().__init__(sync_engine or engine.sync_engine, queue, driver, concurrency, worker_name, database,
                          wake, count_queues=count_queues)  # type: ignore[arg-type]  # Event's three methods
         self.async_engine = engine
         self._loop = loop
@@ -180,7 +180,7 @@ class AsyncExecutor(Executor):
 
         fence, handler = run.job.fence, run.handler
         async with AsyncSession(self.async_engine) as session:
-            await session.run_sync(lambda s: self.sql.begin_write(s.connection()))
+            await session.run_sync(lambda s: self.driver.begin_write(s.connection()))
             run.ctx.session = session  # type: ignore[assignment]  # documented: an AsyncSession here
             try:
                 value = await asyncio.wait_for(handler.fn(run.job.payload), handler.timeout)
@@ -201,8 +201,8 @@ class AsyncExecutor(Executor):
         """In the handler's transaction: store its result and progress, and finish the job (fenced)."""
         conn = session.connection()
         if result is not None or progress is not None:
-            self.sql.set_results(conn, [(fence, result, progress)])
-        return bool(self.sql.finish(conn, [fence]))
+            self.driver.set_results(conn, [(fence, result, progress)])
+        return bool(self.driver.finish(conn, [fence]))
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:

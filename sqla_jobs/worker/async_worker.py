@@ -121,14 +121,14 @@ class AsyncWorker:
         self.config = config
         self.engine = engine
         self.queue = queue
-        self.sql: Driver = queue.driver(sync_engine)
+        self.driver: Driver = queue.driver(sync_engine)
         if config.discards_finished:  # delete at finish what would be pruned at once
-            self.sql = self.sql.discarding_finished()
+            self.driver = self.driver.discarding_finished()
         self.name = config.worker_name
         self.concurrency = config.concurrency
-        self.listen = config.listen and self.sql.supports_listen
+        self.listen = config.listen and self.driver.supports_listen
         check_pool(sync_engine, config)
-        self._store = Store(sync_engine, queue, self.sql, self.name, config.lease, config.queues)
+        self._store = Store(sync_engine, queue, self.driver, self.name, config.lease, config.queues)
         self._maintenance = Maintenance(None)  # run() elects, unless burst or leader=False
         self._control: Control | None = None
         self._wake: AsyncWake | None = None
@@ -157,7 +157,7 @@ class AsyncWorker:
         loop = asyncio.get_running_loop()
         self._wake = wake = AsyncWake(loop)
         sync_engine = self._sync_engine()
-        executor = AsyncExecutor(self.engine, self.queue, self.sql, self.config.concurrency, self.name,
+        executor = AsyncExecutor(self.engine, self.queue, self.driver, self.config.concurrency, self.name,
                                  database_key(self.engine.url), wake, loop, sync_engine=sync_engine,
                                  count_queues=self.config.slots is not None)
         self._control = control = Control(self.config, self._store, executor, wake,  # type: ignore[arg-type]
@@ -194,10 +194,10 @@ class AsyncWorker:
     def _twin_engine(self, pool: bool) -> Engine:
         """An engine on this worker's database through the sync twin of its async driver, hardened."""
         url, connect_args = driver_class(self.engine.url.get_backend_name()).connect_args(
-            self.sql.sync_url(self.engine.url))
+            self.driver.sync_url(self.engine.url))
         sizing: dict[str, Any] = {"pool_size": self.config.pool_size} if pool else {"poolclass": NullPool}
         engine = create_engine(url, connect_args=connect_args, **sizing)
-        self.sql.harden(engine, self.name)
+        self.driver.harden(engine, self.name)
         return engine
 
     def _run_in_greenlet(self, burst: bool, executor: AsyncExecutor, signals: _signals.StopSignals | None) -> None:
@@ -206,7 +206,7 @@ class AsyncWorker:
         assert control is not None
         # Keepalives, timeouts, application_name (see the driver); here, as it closes the idle pooled
         # connections, and an async driver's connection closes only by awaiting.
-        self.sql.harden(self._store.engine, self.name)
+        self.driver.harden(self._store.engine, self.name)
         self._store.prepare(self.listen, self.config.poll_interval)
         if self.config.leader and not burst:  # a burst worker keeps its own upkeep: it is gone soon
             self._maintenance.leadership = Leadership(self._store.engine, self.queue, self.name,
@@ -228,7 +228,8 @@ class AsyncWorker:
         # LISTEN (PostgreSQL): a task on this loop, on a connection out of the worker's AsyncEngine; it
         # sets AsyncWake in the loop's own thread (a listener thread would cost a call_soon_threadsafe hop
         # on every pickup).
-        listener = self.sql.async_listener(self.engine, control.wake_from_database, self.name) if self.listen else None
+        listener = (self.driver.async_listener(self.engine, control.wake_from_database, self.name)
+                    if self.listen else None)
         if listener is not None:
             listener.start()
         log.info("worker %s started (async): %s", self.name, self.config.summary())

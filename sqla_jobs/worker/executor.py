@@ -116,12 +116,12 @@ class Executor:
     """``concurrency`` handler threads and the runs they hold (touched by the control thread only,
     except ``Run.abandoned``/``finishing``, which the lock orders)."""
 
-    def __init__(self, engine: Engine, queue: JobQueue[Any, Any], sql: Driver, concurrency: int,
+    def __init__(self, engine: Engine, queue: JobQueue[Any, Any], driver: Driver, concurrency: int,
                  worker_name: str, database: DatabaseKey, wake: threading.Event, *,
                  count_queues: bool = False) -> None:
         self.engine = engine
         self.queue = queue
-        self.sql = sql
+        self.driver = driver
         self.concurrency = concurrency
         self.worker_name = worker_name
         self._database = database
@@ -399,7 +399,7 @@ class Executor:
     def _execute_in_transaction(self, run: Run) -> None:
         """The handler's writes and the job's completion commit together, or not at all."""
         with Session(self.engine) as session:
-            self.sql.begin_write(session.connection())
+            self.driver.begin_write(session.connection())
             run.ctx.session = session
             try:
                 value = run.handler.fn(run.job.payload)
@@ -408,8 +408,8 @@ class Executor:
                 progress = run.ctx.progress if self.progress.pop(run.job.fence, None) is not None else None
                 conn = session.connection()
                 if result is not None or progress is not None:
-                    self.sql.set_results(conn, [(run.job.fence, result, progress)])
-                if run.abandoned or not self.sql.finish(conn, [run.job.fence]):
+                    self.driver.set_results(conn, [(run.job.fence, result, progress)])
+                if run.abandoned or not self.driver.finish(conn, [run.job.fence]):
                     raise _ClaimLost()
                 self._before_commit(run)
             except BaseException:

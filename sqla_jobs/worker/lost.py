@@ -35,7 +35,7 @@ log = logging.getLogger("sqla_jobs.worker")
 def hand_back(
     queue: JobQueue[Any, Any],
     engine: Engine,
-    sql: Driver,
+    driver: Driver,
     find: Callable[[Connection], list[Any]],
     why: str,
 ) -> int:
@@ -45,18 +45,18 @@ def hand_back(
     e.g. ``"worker {row.locked_by} stopped heartbeating (lease expired)"``.
     """
     events = []
-    with sql.write(engine) as conn:
+    with driver.write(engine) as conn:
         for row in find(conn):
             error = f"WorkerLost: {why.format(row=row)} during attempt {row.attempts}"
             fence = (row.id, row.claim_token)
             if row.cancelled_at is not None:
-                sql.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
+                driver.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
                 name, what = "cancelled", "worker lost after a cancel request, job cancelled"
             elif row.attempts >= row.max_attempts:
-                sql.dead_letter(conn, fence, error)
+                driver.dead_letter(conn, fence, error)
                 name, what = "dead_letter", "worker lost on the last attempt, moved to dead letters"
             else:
-                sql.release(conn, fence, error=error, attempt=row.attempts, isolate=True)
+                driver.release(conn, fence, error=error, attempt=row.attempts, isolate=True)
                 name, what = "failed", "worker lost, job handed back to the queue to run alone"
             log.warning("job %d %s attempt %d/%d: %s", row.id, row.kind, row.attempts, row.max_attempts, what)
             events.append(JobEvent(name, row.id, row.kind, row.queue, row.attempts, row.max_attempts, None, error))

@@ -50,11 +50,11 @@ _EVENT = {**{name: name for name in _DETAIL}, "outage": "failed"}
 
 
 class Store:
-    def __init__(self, engine: Engine, queue: JobQueue[Any, Any], sql: Driver, worker_name: str,
+    def __init__(self, engine: Engine, queue: JobQueue[Any, Any], driver: Driver, worker_name: str,
                  lease: float, queues: Sequence[str] | None) -> None:
         self.engine = engine
         self.queue = queue
-        self.sql = sql
+        self.driver = driver
         self.worker_name = worker_name
         self.lease = lease
         self.queues = list(queues) if queues else None
@@ -71,16 +71,16 @@ class Store:
     def prepare(self, listen: bool, poll_interval: float) -> None:
         """Before the first claim: the schema is the app's, the driver is ready, wake-ups can work."""
         self.queue.check_schema(self.engine)
-        self.sql.prepare(self.engine)
+        self.driver.prepare(self.engine)
         if self.limits_table is not None:
             ensure_limits_table(self.engine, self.limits_table)
-            ensure_rows(self.sql, self.engine, self.limits_table, [lim.row for lim in self.limits])
+            ensure_rows(self.driver, self.engine, self.limits_table, [lim.row for lim in self.limits])
         if listen:
             with self.engine.connect() as conn:
-                if not self.sql.has_notify_trigger(conn):
+                if not self.driver.has_notify_trigger(conn):
                     log.warning("worker %s: table %s has no NOTIFY trigger, so new jobs are found by polling "
                                 "every %gs; add it with `sqla-jobs migrations render` or `create-tables`",
-                                self.worker_name, self.sql.jobs.fullname, poll_interval)
+                                self.worker_name, self.driver.jobs.fullname, poll_interval)
 
     def close(self) -> None:
         if self._conn is not None:
@@ -88,7 +88,7 @@ class Store:
             self._conn = None
 
     def retry_pause(self, exc: BaseException, failures: int) -> float:
-        return retry_pause(self.sql, self.engine, exc, failures)
+        return retry_pause(self.driver, self.engine, exc, failures)
 
     @contextmanager
     def _hot(self) -> Iterator[Connection]:
@@ -101,9 +101,9 @@ class Store:
         ``Driver.write`` transaction. Writes of several statements (dead-lettering,
         the reaper) always use ``Driver.write``.
         """
-        isolation = self.sql.hot_isolation
+        isolation = self.driver.hot_isolation
         if isolation is None:
-            with self.sql.write(self.engine) as conn:
+            with self.driver.write(self.engine) as conn:
                 yield conn
             return
         if self._conn is None:
@@ -144,7 +144,7 @@ class Store:
         short = False
         if self.limits_table is None or limit <= 0:  # no limits (or no claim): the one round trip it always was
             with self._hot() as conn:
-                kept, jobs, waiting = self.sql.finish_and_claim(
+                kept, jobs, waiting = self.driver.finish_and_claim(
                     conn, fences, limit, self.worker_name, token, self.lease, queues, alone=alone,
                     skip_kinds=self.limited_kinds,
                 )
@@ -154,13 +154,13 @@ class Store:
             # One transaction, so a claim is never half made: the finishes first (the jobs just done no longer
             # count as running), then the kinds with limits (drivers/_limits.py, under their rows' locks), then
             # the ordinary claim, skipping those kinds, for the threads still free.
-            with self.sql.write(self.engine) as conn:
-                kept = self.sql.finish(conn, fences)
-                jobs, waiting, lone = claim_limited(self.sql, conn, self.limits_table, self.limits, limit,
+            with self.driver.write(self.engine) as conn:
+                kept = self.driver.finish(conn, fences)
+                jobs, waiting, lone = claim_limited(self.driver, conn, self.limits_table, self.limits, limit,
                                                     self.worker_name, token, self.lease, queues, alone)
                 if plain and not lone and len(jobs) < limit:
                     wanted = limit - len(jobs)
-                    _, others, others_waiting = self.sql.finish_and_claim(
+                    _, others, others_waiting = self.driver.finish_and_claim(
                         conn, [], wanted, self.worker_name, token, self.lease, queues,
                         alone=alone and not jobs, skip_kinds=self.limited_kinds,
                     )
@@ -175,25 +175,25 @@ class Store:
                 plain: bool) -> tuple[set[int], list[Claimed], bool, bool] | None:
         """``finish_and_claim`` the backend's faster way, when it has one and every limit is a plain running
         limit (PostgreSQL: one pipeline on the hot connection, drivers/postgresql/capped.py); None: it has not."""
-        if not self._capped_only or self.sql.hot_isolation != "AUTOCOMMIT":
+        if not self._capped_only or self.driver.hot_isolation != "AUTOCOMMIT":
             return None
         assert self.limits_table is not None
         with self._hot() as conn:
-            fast = self.sql.finish_and_claim_capped(conn, fences, self.limits_table, self.limits, limit,
+            fast = self.driver.finish_and_claim_capped(conn, fences, self.limits_table, self.limits, limit,
                                                     self.worker_name, token, self.lease, queues, alone, plain)
         if fast is None:
             return None
         kept, jobs, waiting, short, missing = fast
         if missing:  # someone deleted the kind's row: made again for the next claim
-            ensure_rows(self.sql, self.engine, self.limits_table, missing)
+            ensure_rows(self.driver, self.engine, self.limits_table, missing)
         return kept, jobs, waiting, short
 
     def finish_with_results(self, ok: list[Outcome]) -> None:
         """Finish runs that returned a value or left progress unwritten: store both, then finish, in one
         transaction (off the hot path: a handler returning None never comes here)."""
-        with self.sql.write(self.engine) as conn:
-            self.sql.set_results(conn, [(o.job.fence, o.value, o.progress) for o in ok])
-            kept = self.sql.finish(conn, [o.job.fence for o in ok])
+        with self.driver.write(self.engine) as conn:
+            self.driver.set_results(conn, [(o.job.fence, o.value, o.progress) for o in ok])
+            kept = self.driver.finish(conn, [o.job.fence for o in ok])
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
@@ -201,22 +201,22 @@ class Store:
     def heartbeat(self, fences: list[Fence]) -> tuple[set[Fence], set[Fence]]:
         """Extend the leases of ``fences``; returns those still ours, and those of them someone asked to cancel."""
         with self._hot() as conn:
-            kept = self.sql.heartbeat(conn, fences, self.lease)
-            return kept, self.sql.cancel_requests(conn, list(kept)) if kept else set()
+            kept = self.driver.heartbeat(conn, fences, self.lease)
+            return kept, self.driver.cancel_requests(conn, list(kept)) if kept else set()
 
     def cancel_requests(self, fences: list[Fence]) -> set[Fence]:
         """Which of these runs someone asked to cancel (between heartbeats, after a notification)."""
         with self._hot() as conn:
-            return self.sql.cancel_requests(conn, fences)
+            return self.driver.cancel_requests(conn, fences)
 
     def write_progress(self, rows: list[tuple[Fence, Any]]) -> None:
         """Store the latest progress values of running jobs (fenced: a run no longer ours is skipped)."""
         with self._hot() as conn:
-            self.sql.set_progress(conn, rows)
+            self.driver.set_progress(conn, rows)
 
     def give_back(self, fences: list[Fence]) -> int:
         with self._hot() as conn:
-            return self.sql.give_back(conn, fences)
+            return self.driver.give_back(conn, fences)
 
     # -- the rare outcomes -------------------------------------------------------------
 
@@ -229,38 +229,38 @@ class Store:
         if o.result == "lost":
             self.report(o, "lost")
             return
-        sql = self.sql
+        driver = self.driver
         # Whether a cancel was requested while the job ran decides what the write is.
-        with sql.write(self.engine) as conn:
-            if o.result in ("snooze", "error", "outage") and sql.cancel_requested(conn, job.fence):
+        with driver.write(self.engine) as conn:
+            if o.result in ("snooze", "error", "outage") and driver.cancel_requested(conn, job.fence):
                 # `jobs cancel` came while it ran: no retry, no dead letter.
-                applied = sql.release(conn, job.fence, error=o.error or None, attempt=job.attempt, cancel=True)
+                applied = driver.release(conn, job.fence, error=o.error or None, attempt=job.attempt, cancel=True)
                 name = "cancelled"
             elif o.result == "snooze":
-                applied = sql.release(conn, job.fence, delay=o.delay, refund=True)
+                applied = driver.release(conn, job.fence, delay=o.delay, refund=True)
                 name = "snoozed"
             elif o.result == "outage" and self._outages(conn, job.fence) < MAX_UNCOUNTED_OUTAGES:
                 # Not the job's fault: refund the attempt, keep the error for the record.
-                applied = sql.release(conn, job.fence, error=f"{o.error} {_UNCOUNTED}",
+                applied = driver.release(conn, job.fence, error=f"{o.error} {_UNCOUNTED}",
                                       attempt=job.attempt, refund=True)
                 name = "outage"
             elif o.result == "cancel":
-                applied = sql.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
+                applied = driver.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
                 name = "cancelled"
             elif job.attempt >= job.max_attempts:
-                applied = sql.dead_letter(conn, job.fence, o.error)
+                applied = driver.dead_letter(conn, job.fence, o.error)
                 name = "dead_letter"
             else:
                 o.delay = self.queue.retry_delay(job.kind, job.attempt)
-                applied = sql.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
+                applied = driver.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
                 name = "failed"
-            if not applied and o.committing and sql.finished_under(conn, job.fence):
+            if not applied and o.committing and driver.finished_under(conn, job.fence):
                 applied, name = True, "finished"  # the commit went through; only its reply was lost
         self.report(o, name if applied else "lost")
 
     def _outages(self, conn: Connection, fence: Fence) -> int:
         """How many attempts of this job were already refunded for outages (a rare path: one read)."""
-        return sum(_UNCOUNTED in str(e.get("error", "")) for e in self.sql.errors_of(conn, fence))
+        return sum(_UNCOUNTED in str(e.get("error", "")) for e in self.driver.errors_of(conn, fence))
 
     def report(self, o: Outcome, name: str) -> None:
         job = o.job
@@ -279,7 +279,7 @@ class Store:
     def reap(self) -> None:
         """Hand back jobs whose worker vanished, by the rules of sqla_jobs.worker.lost (the lost attempt counts,
         and the job's next run is alone in its worker process)."""
-        hand_back(self.queue, self.engine, self.sql, self.sql.expired,
+        hand_back(self.queue, self.engine, self.driver, self.driver.expired,
                   "worker {row.locked_by} stopped heartbeating (lease expired)")
 
     def upkeep(self) -> None:
@@ -290,7 +290,7 @@ class Store:
         """
         try:
             with self.engine.begin() as conn:
-                self.sql.upkeep(conn)
+                self.driver.upkeep(conn)
         except DBAPIError as exc:
             log.warning("worker %s: the table's upkeep failed, tried again later: %s",
                         self.worker_name, str(exc).splitlines()[0])

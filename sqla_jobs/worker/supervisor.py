@@ -137,8 +137,8 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
 def _died(queue: JobQueue[Any, Any], engine: Engine, child: _Child) -> None:
     """Hand back what the dead child was running; on a database error, its leases still cover it."""
     try:
-        sql = queue.driver(engine)
-        count = hand_back(queue, engine, sql, lambda conn: sql.held_by(conn, child.name),
+        driver = queue.driver(engine)
+        count = hand_back(queue, engine, driver, lambda conn: driver.held_by(conn, child.name),
                           f"worker process {child.name} exited with {child.proc.returncode}")
     except DBAPIError as exc:
         log.warning("could not hand back the jobs of worker %s (%s); their leases will expire",

@@ -141,9 +141,9 @@ class Worker:
         self.config = config
         self.engine = engine
         self.queue = queue
-        self.sql: Driver = queue.driver(engine)
+        self.driver: Driver = queue.driver(engine)
         if config.discards_finished:  # delete at finish what would be pruned at once
-            self.sql = self.sql.discarding_finished()
+            self.driver = self.driver.discarding_finished()
         self.name = config.worker_name
         # Kept as attributes: callers and older code read them.
         self.concurrency = config.concurrency
@@ -155,12 +155,12 @@ class Worker:
         self.prune_after = config.prune_after
         self.lease = config.lease
         self.heartbeat = config.heartbeat_every
-        self.listen = config.listen and self.sql.supports_listen
+        self.listen = config.listen and self.driver.supports_listen
         check_pool(engine, config)
-        self.sql.harden(engine, self.name)  # keepalives, timeouts, application_name: see the driver
+        self.driver.harden(engine, self.name)  # keepalives, timeouts, application_name: see the driver
         self._wake = threading.Event()
-        self._store = Store(engine, queue, self.sql, self.name, config.lease, config.queues)
-        self._executor = Executor(engine, queue, self.sql, config.concurrency, self.name,
+        self._store = Store(engine, queue, self.driver, self.name, config.lease, config.queues)
+        self._executor = Executor(engine, queue, self.driver, config.concurrency, self.name,
                                   database_key(engine.url), self._wake, count_queues=config.slots is not None)
         self._maintenance = Maintenance(None)  # run() elects, unless burst or leader=False
         self._control = Control(config, self._store, self._executor, self._wake, self._maintenance)
@@ -194,7 +194,7 @@ class Worker:
                 self._maintenance.leadership = Leadership(self.engine, self.queue, self.name, lease=self.lease)
             self._executor.start()
             wake = self._control.wake_from_database
-            listener = self.sql.listener(self.engine, wake, self.name) if self.listen else None
+            listener = self.driver.listener(self.engine, wake, self.name) if self.listen else None
             if listener is not None:
                 listener.start()
             # The app's periodic jobs: every long-running worker enqueues due slots (sqla_jobs._periodic).
