@@ -94,3 +94,71 @@ def test_the_registry_half_of_the_app_touches_no_database() -> None:
     imports = _imports(PACKAGE / "_registry.py")
     assert not {name for name in imports if name.startswith(("sqlalchemy", ".drivers", "._admin", "._app"))}
     assert {".drivers", "._models"} <= _imports(PACKAGE / "_admin.py")
+
+
+#: Which folders of the package each folder may import (docs/development.md, "The layout"). The model and
+#: the app (the modules at the top) sit on the drivers; the worker on both; the relay, the bench and the
+#: command on the worker. An arrow the other way (the drivers asking the worker, the app loading the CLI)
+#: is the start of an import circle.
+LAYERS: dict[str, set[str]] = {
+    "drivers": set(),
+    "core": {"drivers"},
+    "alembic": {"core", "drivers"},
+    "web": {"core", "drivers"},
+    "worker": {"core", "drivers"},
+    "relay": {"worker", "core", "drivers"},
+    "bench": {"worker", "core", "drivers"},
+    "cli": {"alembic", "bench", "relay", "web", "worker", "core", "drivers"},
+}
+FOLDERS = {"drivers", "alembic", "web", "worker", "relay", "bench", "cli"}
+
+
+def _folder(module: str) -> str:
+    """The folder a module is in; ``core`` for the modules at the top; ``errors`` (every layer's) for the tree."""
+    parts = module.split(".")
+    if module == "sqla_jobs.errors":
+        return "errors"
+    return parts[1] if len(parts) > 1 and parts[1] in FOLDERS else "core"
+
+
+def _module_of(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The package's own modules ``path`` imports, lazy imports inside functions included, as absolute names."""
+    module = _module_of(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            # `from . import signals` imports a module; `from .x import name` a name of module x.
+            found.update(f"{base}.{alias.name}" for alias in node.names if (PACKAGE.parent / f"{base}.{alias.name}"
+                         .replace(".", "/")).with_suffix(".py").exists())
+            found.add(base)
+    return {name for name in found if name.startswith("sqla_jobs.")}
+
+
+def test_the_layers_checker_reads_relative_and_lazy_imports() -> None:
+    imported = _imported_modules(PACKAGE / "worker" / "control.py")
+    assert {"sqla_jobs.worker.store", "sqla_jobs.drivers.base"} <= imported
+    assert "sqla_jobs.drivers.postgresql.capped" in _imported_modules(PACKAGE / "drivers" / "postgresql" / "driver.py")
+    assert _folder("sqla_jobs.drivers.postgresql.claim") == "drivers" and _folder("sqla_jobs._models") == "core"
+
+
+@pytest.mark.parametrize("path", sorted(PACKAGE.rglob("*.py")), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_each_folder_imports_only_the_layers_below_it(path: Path) -> None:
+    folder = _folder(_module_of(path))
+    if folder == "errors" or (path.parent == PACKAGE and path.stem in ("__init__", "demo", "testing")):
+        return  # the public surface re-exports the worker; the demo and the test helpers run one
+    wrong = sorted(name for name in _imported_modules(path)
+                   if (other := _folder(name)) not in (folder, "errors") and other not in LAYERS[folder])
+    assert not wrong, (f"{path.relative_to(PACKAGE.parent)} ({folder}/) imports {wrong}: {folder}/ may import only "
+                       f"{sorted(LAYERS[folder])} (docs/development.md, 'The layout')")
