@@ -32,7 +32,6 @@ import queue as stdlib_queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Engine
@@ -44,72 +43,11 @@ from .._payload import encode_value
 from ..drivers.base import Claimed, Driver, Fence
 from ..errors import ConfigError, InvalidJob, JobCancel, JobSnooze
 from .outage import DatabaseKey, watch
+from .runs import InvalidResult, Outcome, Run, _CancelBeforeCommit, _ClaimLost, outcome_of
 
 __all__ = ["Executor", "Outcome", "Run"]
 
 log = logging.getLogger("sqla_jobs.worker")
-
-
-class _ClaimLost(Exception):
-    """The job's row was no longer ours when its transactional handler tried to finish it."""
-
-
-class InvalidResult(Exception):
-    """A handler returned a value that cannot be stored as its job's result (the payload rules)."""
-
-
-class _CancelBeforeCommit(Exception):
-    """A cancel request reached a transactional run before its commit: its writes are rolled back."""
-
-
-@dataclass
-class Run:
-    """One claimed job on its way through a handler thread."""
-
-    job: Claimed
-    handler: Any  # the queue's handler for job.kind, resolved once at claim; None for an unknown kind
-    ctx: JobContext
-    started: float
-    deadline: float | None
-    abandoned: bool = False  # timed out, lost or given back: the thread's result is discarded
-    # Its transaction holds the fenced finish and is committing: from then on the
-    # run's fate is that commit's, so it is never abandoned (see Executor.abandon).
-    finishing: bool = False
-    cancel_requested: bool = False  # a person's cancel request reached it: it ends cancelled
-    task: Any = None  # an async handler's task and its loop, so a cancel can interrupt it
-    loop: Any = None
-    interrupted: bool = False
-
-
-@dataclass
-class Outcome:
-    """What became of one run, waiting to be written."""
-
-    job: Claimed
-    result: str  # ok | committed | error | outage | snooze | cancel | lost
-    duration: float
-    error: str = ""
-    delay: float = 0.0
-    written: bool = False
-    # The failure came after the fenced finish, from the commit itself: the commit may have
-    # applied with its reply lost, so a write that finds the job no longer running checks.
-    committing: bool = False
-    value: Any = None  # what the handler returned (checked, JSON-able), stored with the finished job
-    progress: Any = None  # its last progress value, if not written yet
-
-
-def outcome_of(run: Run, started: float) -> Callable[..., Outcome]:
-    """``outcome(result, error, delay)`` for ``run``: cancelled whatever the result once a cancel request reached it."""
-    job = run.job
-
-    def outcome(result: str, error: str = "", delay: float = 0.0) -> Outcome:
-        if run.cancel_requested and result != "committed":
-            # The request reached the run: however the handler stopped, the job ends cancelled.
-            how = "the handler returned" if result == "ok" else (error or result)
-            return Outcome(job, "cancel", time.monotonic() - started, f"cancelled on request: {how}")
-        return Outcome(job, result, time.monotonic() - started, error, delay)
-
-    return outcome
 
 
 class Executor:
