@@ -16,6 +16,7 @@ from typing import Any
 from sqlalchemy import text, update
 from sqlalchemy.orm import Session
 
+from sqla_jobs.worker.outcomes import hand_back_lost, hand_back_unfinished
 from tests import app
 from tests.conftest import Database
 from tests.helpers import enqueue, job
@@ -79,18 +80,17 @@ def test_the_mark_is_cleared_when_the_run_ends_and_kept_on_a_give_back(db: Datab
     by_id = {a.id: a, b.id: b}
     with sql.write(db.engine) as conn:
         assert sql.release(conn, by_id[retried].fence, error="ValueError: boom", attempt=1)
-        assert sql.give_back(conn, [by_id[given_back].fence]) == 1
+        assert hand_back_unfinished(sql, conn, [by_id[given_back].fence]) == 1
     assert job(db.engine, retried).isolate is False  # type: ignore[union-attr]
     assert job(db.engine, given_back).isolate is True, "a shutdown interrupted the run, it did not end it"  # type: ignore[union-attr]
 
 
 def test_the_reaper_marks_lost_jobs(db: Database) -> None:
-    from sqla_jobs.worker.lost import hand_back
-
     sql = app.queue.driver(db.engine)
     job_id = enqueue(db.engine, "noop")
     assert len(claim(db, 1, alone=False)[1]) == 1
-    assert hand_back(app.queue, db.engine, sql, lambda conn: sql.held_by(conn, "w"), "worker {row.locked_by} died") == 1
+    held = lambda conn: sql.held_by(conn, "w")  # noqa: E731
+    assert hand_back_lost(app.queue, db.engine, sql, held, "worker {row.locked_by} died") == 1
     row = job(db.engine, job_id)
     assert row is not None and (row.state, row.isolate, row.attempts) == ("pending", True, 1)
     assert row.errors[-1]["error"] == "WorkerLost: worker w died during attempt 1"

@@ -30,12 +30,8 @@ from sqlalchemy import (
     Text,
     and_,
     bindparam,
-    case,
-    delete,
     insert,
     inspect,
-    literal,
-    select,
     tuple_,
     update,
 )
@@ -43,7 +39,8 @@ from sqlalchemy.schema import CreateIndex
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import DEAD_COLUMNS, AsyncListener, Claimed, Fence, Listener
-from ._operations import MAX_ERROR_LENGTH, Operations, truncate, utcnow
+from ._endings import Endings
+from ._operations import MAX_ERROR_LENGTH, Operations, truncate
 from ._percentile import percentile, run_times_in_python
 from ._results import Flow
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
@@ -68,7 +65,7 @@ __all__ = [
     "truncate",
 ]
 
-class Driver(Setup, Operations, Uniqueness, Flow):
+class Driver(Setup, Operations, Uniqueness, Flow, Endings):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
@@ -308,129 +305,3 @@ class Driver(Setup, Operations, Uniqueness, Flow):
         t = self.jobs
         stmt = update(t).where(self.fenced(fences)).values(lease_expires_at=self.later(lease))
         return {(r.id, r.claim_token) for r in conn.execute(stmt.returning(t.c.id, t.c.claim_token))}
-
-    def finish(self, conn: Connection, fences: Sequence[Fence]) -> set[int]:
-        """Mark jobs finished (with ``discard_finished``: delete them); returns the ids that were still ours."""
-        if not fences:
-            return set()
-        t = self.jobs
-        stmt = (delete(t).where(self.fenced(fences)) if self.discard_finished else update(t).where(
-            self.fenced(fences)).values(state="finished", finished_at=self.now(), lease_expires_at=None))
-        return set(conn.execute(stmt.returning(t.c.id)).scalars())
-
-    def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
-        """The ``errors`` column with ``entry`` appended, as an expression for an UPDATE."""
-        raise NotImplementedError
-
-    def release(
-        self,
-        conn: Connection,
-        fence: Fence,
-        *,
-        delay: float = 0.0,
-        error: str | None = None,
-        attempt: int | None = None,
-        refund: bool = False,
-        cancel: bool = False,
-        isolate: bool | None = False,
-    ) -> bool:
-        """Give a running job back: to ``pending`` after ``delay``, or ``cancelled``.
-
-        Used for retries (with ``error``), snoozes and shutdown give-backs
-        (``refund`` the attempt), and JobCancel (``cancel``). A job whose
-        cancellation was requested while it ran ends ``cancelled`` either way.
-        ``isolate``: its next run is alone in a worker process (True: its worker
-        was lost), or not (False: a run ended, so any mark is cleared); None
-        leaves the mark (a shutdown interrupted the run, it did not end it).
-        """
-        t = self.jobs
-        stopped = literal(cancel) | t.c.cancelled_at.is_not(None)
-        values: dict[str, Any] = {
-            "state": case((stopped, "cancelled"), else_="pending"),
-            "finished_at": case((stopped, self.now()), else_=None),
-            "run_at": self.later(delay) if delay else self.now(),
-            "claim_token": None,
-            "lease_expires_at": None,
-        }
-        if refund:
-            values["attempts"] = t.c.attempts - 1
-        if isolate is not None:
-            values["isolate"] = isolate
-        if error is not None:
-            message = truncate(error)
-            values["last_error"] = message
-            values["errors"] = self.errors_plus({"attempt": attempt, "at": utcnow(), "error": message})
-        stmt = update(t).where(self.fenced([fence])).values(**values)
-        return conn.execute(stmt).rowcount == 1
-
-    def give_back(self, conn: Connection, fences: Sequence[Fence]) -> int:
-        """Shutdown: unfinished jobs go back to pending now, the interrupted attempt refunded."""
-        given = sum(self.release(conn, fence, refund=True, isolate=None) for fence in fences)
-        if given:
-            self.notify(conn)  # an UPDATE fires no insert trigger: wake the other workers here
-        return given
-
-    def dead_letter(self, conn: Connection, fence: Fence, error: str) -> bool:
-        """Move a job that used its last attempt to the dead-letter table, in the caller's transaction."""
-        t = self.jobs
-        row = conn.execute(delete(t).where(self.fenced([fence])).returning(*t.c)).first()
-        if row is None:
-            return False
-        message = truncate(error)
-        errors = [*(row.errors or []), {"attempt": row.attempts, "at": utcnow(), "error": message}]
-        # A dead row with this id can only exist if ids were reused (a SQLite table rebuilt without
-        # AUTOINCREMENT). Failing here would retry forever; replace it, and keep a note of it.
-        d = self.dead
-        older = conn.execute(delete(d).where(d.c.id == row.id).returning(d.c.kind, d.c.last_error)).first()
-        if older is not None:
-            note = f"replaced an older dead job with the same id (kind {older.kind!r}): {older.last_error}"
-            errors.insert(0, {"attempt": None, "at": utcnow(), "error": truncate(note)})
-        conn.execute(
-            insert(d).values(
-                **{c: getattr(row, c) for c in DEAD_COLUMNS}, last_error=message, errors=errors, failed_at=self.now()
-            )
-        )
-        return True
-
-    def expired(self, conn: Connection, limit: int = 100) -> list[Any]:
-        """Running jobs whose lease ran out (their worker died or lost the database)."""
-        t = self.jobs
-        stmt = (
-            select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by,
-                   t.c.cancelled_at)
-            .where(t.c.state == "running", t.c.lease_expires_at < self.now())
-            .order_by(t.c.lease_expires_at)
-            .limit(limit)
-        )
-        return list(conn.execute(self.skip_locked(stmt)))
-
-    def held_by(self, conn: Connection, worker: str) -> list[Any]:
-        """Running jobs claimed by ``worker`` (its process is known dead), same columns as ``expired``.
-
-        Reads ``ix_<table>_running``. A row locked at this instant (the dead
-        process's last statement still being undone) is skipped: its lease covers it.
-        """
-        t = self.jobs
-        stmt = (
-            select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by,
-                   t.c.cancelled_at)
-            .where(t.c.state == "running", t.c.locked_by == worker)
-            .order_by(t.c.id)
-        )
-        return list(conn.execute(self.skip_locked(stmt)))
-
-    def cancel_requested(self, conn: Connection, fence: Fence) -> bool:
-        """Whether someone asked to cancel this (still ours) run while it ran."""
-        t = self.jobs
-        return bool(conn.execute(select(t.c.cancelled_at.is_not(None)).where(self.fenced([fence]))).scalar())
-
-    def finished_under(self, conn: Connection, fence: Fence) -> bool:
-        """Whether the job was finished under this claim (the finish keeps the claim token)."""
-        t = self.jobs
-        stmt = select(t.c.id).where(t.c.id == fence[0], t.c.claim_token == fence[1], t.c.state == "finished")
-        return conn.execute(stmt).first() is not None
-
-    def errors_of(self, conn: Connection, fence: Fence) -> list[dict[str, Any]]:
-        """The error history of this (still ours) run's job; empty if none or no longer ours."""
-        t = self.jobs
-        return list(conn.execute(select(t.c.errors).where(self.fenced([fence]))).scalar() or [])

@@ -6,9 +6,10 @@ One turn of the loop, for a batch:
    a lease and a fresh claim token, like a worker's claim);
 2. turn each into an ``Outgoing`` message and publish the whole batch, then wait
    for the broker's acknowledgement of every message (``Target.publish``);
-3. finish the acknowledged jobs in one fenced write (``Driver.finish``); release a
-   message the broker refused (unroutable, nacked) as a failed attempt, with the
-   app's retry delay, and dead-letter it on its last attempt, like a handler's failure.
+3. finish the acknowledged jobs in one fenced write (``Driver.finish``); a message
+   the broker refused (nacked) or had no route for is a failed attempt, settled by
+   the outcome policy (``sqla_jobs.worker.outcomes``) like a handler's failure: the
+   app's retry delay, the dead letters on its last attempt.
 
 Delivery is at least once. The job row is finished only after the broker has
 the message, so a relay killed between the two leaves the job ``running``; when
@@ -36,13 +37,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 from sqlalchemy.exc import SQLAlchemyError
 
 from .._app import JobEvent, JobQueue
 from .._backoff import Backoff
-from ..drivers.base import Claimed, Fence
+from ..drivers.base import Claimed
 from ..errors import ConfigError
+from ..worker.outcomes import MAX_UNCOUNTED_LOSSES, settle
 from ..worker.reconnect import retry_pause
 from ._message import BrokerUnavailable, Target, outgoing
 
@@ -50,10 +52,7 @@ __all__ = ["MAX_UNCOUNTED_LOSSES", "Relay", "RelayCounts"]
 
 log = logging.getLogger("sqla_jobs.relay")
 
-#: A job's attempt is refunded this many times for a relay that died or a broker that went away while the
-#: job was in flight; after that such losses count like failures, so a job can never circle forever.
-MAX_UNCOUNTED_LOSSES = 10
-_UNCOUNTED = "(relay or broker lost, attempt not counted)"
+_WHAT = {"failed": "retry in {delay:.1f}s", "dead_letter": "moved to dead letters", "cancelled": "cancelled on request"}
 
 
 @dataclass
@@ -222,7 +221,8 @@ class Relay:
         self._unfinished = acked
         await asyncio.to_thread(self._finish, acked)
         self._unfinished = []
-        failed = refused + missing + [(job, self._no_route(job)) for job in unrouted]
+        failed = [(job, "nack", error) for job, error in refused + missing]
+        failed += [(job, "unroutable", self._no_route(job)) for job in unrouted]
         if failed:
             await asyncio.to_thread(self._fail, failed)
         self.counts.refused += len(refused) + len(missing)
@@ -261,53 +261,41 @@ class Relay:
         """Tell the app's hooks (``app.on(...)``, Prometheus counters) what happened, as a worker does."""
         self.app.emit(JobEvent(name, job.id, job.kind, job.queue, job.attempt, job.max_attempts, None, error))
 
-    def _fail(self, failed: list[tuple[Claimed, str]]) -> None:
-        """A refused or unroutable message: a failed attempt, retried with the app's backoff."""
+    def _fail(self, failed: list[tuple[Claimed, str, str]]) -> None:
+        """Refused (``nack``) or unroutable messages: failed attempts, as the outcome policy decides (the
+        app's retry backoff, the dead letters on the last attempt, a cancel request honoured)."""
         events = []
         with self.driver.write(self.engine) as conn:
-            for job, error in failed:
-                if job.attempt >= job.max_attempts:
-                    if self.driver.dead_letter(conn, job.fence, error):
-                        events.append(("dead_letter", job, error))
-                    log.warning("job %d %s: %s; moved to dead letters", job.id, job.kind, error)
-                else:
-                    delay = self.app.retry_delay(job.kind, job.attempt)
-                    if self.driver.release(conn, job.fence, delay=delay, error=error, attempt=job.attempt):
-                        events.append(("failed", job, error))
-                    log.warning("job %d %s: %s; retry in %.1fs", job.id, job.kind, error, delay)
+            for job, ending, error in failed:
+                verdict = settle(self.driver, conn, job.fence, ending, job.attempt, job.max_attempts, error=error,
+                                 retry_delay=lambda job=job: self.app.retry_delay(job.kind, job.attempt))
+                if verdict is None:
+                    continue
+                events.append((verdict.event, job, error))
+                log.warning("job %d %s: %s; %s", job.id, job.kind, error, _WHAT.get(verdict.event, verdict.event)
+                            .format(delay=verdict.delay))
         for name, job, error in events:  # after the commit, like the worker's hooks
             self._emit(name, job, error)
 
     def _interrupted(self, jobs: list[Claimed], why: str) -> None:
-        """The broker went away mid-batch: every job of it goes back, the attempt refunded (bounded)."""
-        delay = self.reconnect.delay(1)
+        """The broker went away mid-batch: every job of it goes back (the policy's ``broker_lost``: the
+        attempt refunded, a bounded number of times), due after the first reconnect pause."""
+        pause = self.reconnect.delay(1)
         with self.driver.write(self.engine) as conn:
             for job in jobs:
-                self._give_back(conn, job.fence, job.attempt, job.max_attempts, f"BrokerUnavailable: {why}", delay)
+                settle(self.driver, conn, job.fence, "broker_lost", job.attempt, job.max_attempts,
+                       error=f"BrokerUnavailable: {why}", pause=pause)
         self.counts.interrupted += len(jobs)
 
     def _reap(self) -> None:
-        """Hand back the jobs of a relay that died (lease expired) in this relay's queues."""
+        """Hand back the jobs of a relay that died (lease expired) in this relay's queues (the policy's
+        ``relay_lost``: refunded a bounded number of times, a cancel request honoured)."""
         with self.driver.write(self.engine) as conn:
             rows = [r for r in self.driver.expired(conn, limit=self.batch * 4) if r.queue in self.queues]
             for row in rows:
-                fence = (row.id, row.claim_token)
-                error = f"RelayLost: relay {row.locked_by} stopped before the broker acknowledged"
-                if row.cancelled_at is not None:
-                    self.driver.release(conn, fence, error=error, attempt=row.attempts, cancel=True)
-                else:
-                    self._give_back(conn, fence, row.attempts, row.max_attempts, error, 0.0)
+                settle(self.driver, conn, (row.id, row.claim_token), "relay_lost", row.attempts, row.max_attempts,
+                       error=f"RelayLost: relay {row.locked_by} stopped before the broker acknowledged",
+                       cancel_requested=row.cancelled_at is not None)
         if rows:
             self.counts.reaped += len(rows)
             log.warning("relay %s: handed back %d job(s) of a relay whose lease expired", self.name, len(rows))
-
-    def _give_back(self, conn: Connection, fence: Fence, attempt: int, max_attempts: int, error: str,
-                   delay: float) -> None:
-        losses = sum(_UNCOUNTED in str(e.get("error", "")) for e in self.driver.errors_of(conn, fence))
-        if losses < MAX_UNCOUNTED_LOSSES:
-            self.driver.release(conn, fence, delay=delay, error=f"{error} {_UNCOUNTED}", attempt=attempt,
-                             refund=True, isolate=False)
-        elif attempt >= max_attempts:
-            self.driver.dead_letter(conn, fence, error)
-        else:
-            self.driver.release(conn, fence, delay=delay, error=error, attempt=attempt, isolate=False)

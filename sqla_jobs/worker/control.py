@@ -25,7 +25,7 @@ Rules it keeps (module docstring of ``sqla_jobs.worker.worker`` for the whole st
   it runs, and once one is waiting the worker drains to claim it alone;
 * after a database error, the next try waits ``Store.retry_pause``; outcomes
   not yet written stay in memory meanwhile;
-* stopping: no more claims; running jobs get ``grace`` seconds, then are given back.
+* stopping: no more claims; running jobs get ``grace`` seconds, then are handed back.
 """
 
 from __future__ import annotations
@@ -156,7 +156,7 @@ class Control:
                 if not ex.live_count and not self._unwritten:
                     return
                 if grace_ends is not None and time.monotonic() >= grace_ends:
-                    self._give_back()
+                    self._hand_back_unfinished()
                     return
             elif burst and not ex.live_count and not self._unwritten and not ex.has_outcomes() and db_failures == 0:
                 return
@@ -331,10 +331,10 @@ class Control:
             if run is not None and ex.deliver_cancel(run):
                 log.info("job %d %s: cancel requested; its handler was told", run.job.id, run.job.kind)
 
-    def _give_back(self) -> None:
+    def _hand_back_unfinished(self) -> None:
         """Grace is over: return unfinished jobs to the queue so they run again promptly.
 
-        The give-back is fenced, so it cannot undo a transactional run that
+        The hand-back (the outcome policy's ``shutdown``) is fenced, so it cannot undo a transactional run that
         finished meanwhile (on SQLite it waits for that run's write lock, and
         the run finishes); such a run is not abandoned but waited for briefly,
         so its completion is reported like any other.
@@ -344,7 +344,7 @@ class Control:
         try:
             self._exchange(write=True, claims=[])
             if live:
-                given = self.store.give_back([run.job.fence for run in live])
+                given = self.store.hand_back([run.job.fence for run in live])
                 log.warning("worker %s: grace period over, gave %d running job(s) back to the queue",
                             self.name, given)
         except DATABASE_ERRORS as exc:

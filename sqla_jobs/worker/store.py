@@ -5,8 +5,8 @@ PostgreSQL one autocommit connection: each hot write is one fenced statement,
 atomic on its own, so a BEGIN/COMMIT round trip would buy nothing; on
 MariaDB/MySQL one connection kept at READ COMMITTED), writes
 outcomes (``finish_and_claim`` for the batch of successes plus the claim in one
-round trip, ``write_one`` for the rare outcomes), heartbeats, reaps, prunes and
-gives jobs back, and reports each written outcome to the log and the hooks.
+round trip, ``write_one`` for the rare outcomes, as ``outcomes.settle`` decides), heartbeats, reaps, prunes and
+hands jobs back, and reports each written outcome to the log and the hooks.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from .._limits import ensure_limits_table, limits_table
 from ..drivers._limits import claim_limited, ensure_rows
 from ..drivers.base import Claimed, Driver, Fence
 from .executor import Outcome
-from .lost import hand_back
+from .outcomes import hand_back_lost, hand_back_unfinished, settle
 from .reconnect import retry_pause
 
-__all__ = ["MAX_UNCOUNTED_OUTAGES", "Store"]
+__all__ = ["Store"]
 
 log = logging.getLogger("sqla_jobs.worker")
 
@@ -40,11 +40,6 @@ _DETAIL = {
     "lost": "claim lost (lease expired or job taken over): result discarded",
     "outage": "the queue database was unreachable, retry at once, attempt not counted: {o.error}",
 }
-#: Attempts interrupted by an outage of the queue database are refunded this many times per job; after
-#: that they count, so a handler that itself breaks the server (a query that crashes its backend) still
-#: ends in the dead letters instead of retrying forever.
-MAX_UNCOUNTED_OUTAGES = 10
-_UNCOUNTED = "(queue database unreachable, attempt not counted)"
 # What hooks hear of each outcome: an outage is a failed run that is retried.
 _EVENT = {**{name: name for name in _DETAIL}, "outage": "failed"}
 
@@ -214,53 +209,28 @@ class Store:
         with self._hot() as conn:
             self.driver.set_progress(conn, rows)
 
-    def give_back(self, fences: list[Fence]) -> int:
+    def hand_back(self, fences: list[Fence]) -> int:
+        """Shutdown: hand the runs still going back to the queue (the outcome policy's ``shutdown``)."""
         with self._hot() as conn:
-            return self.driver.give_back(conn, fences)
+            return hand_back_unfinished(self.driver, conn, fences)
 
     # -- the rare outcomes -------------------------------------------------------------
 
     def write_one(self, o: Outcome) -> None:
-        """Write a failure, snooze, cancel, outage (or report a committed / lost run) in its own transaction."""
+        """Write a failure, snooze, cancel, outage (or report a committed / lost run) in its own transaction,
+        as the outcome policy decides (sqla_jobs.worker.outcomes)."""
         job = o.job
-        if o.result == "committed":
-            self.report(o, "finished")
+        if o.result in ("committed", "lost"):
+            self.report(o, "finished" if o.result == "committed" else "lost")
             return
-        if o.result == "lost":
-            self.report(o, "lost")
-            return
-        driver = self.driver
-        # Whether a cancel was requested while the job ran decides what the write is.
-        with driver.write(self.engine) as conn:
-            if o.result in ("snooze", "error", "outage") and driver.cancel_requested(conn, job.fence):
-                # `jobs cancel` came while it ran: no retry, no dead letter.
-                applied = driver.release(conn, job.fence, error=o.error or None, attempt=job.attempt, cancel=True)
-                name = "cancelled"
-            elif o.result == "snooze":
-                applied = driver.release(conn, job.fence, delay=o.delay, refund=True)
-                name = "snoozed"
-            elif o.result == "outage" and self._outages(conn, job.fence) < MAX_UNCOUNTED_OUTAGES:
-                # Not the job's fault: refund the attempt, keep the error for the record.
-                applied = driver.release(conn, job.fence, error=f"{o.error} {_UNCOUNTED}",
-                                      attempt=job.attempt, refund=True)
-                name = "outage"
-            elif o.result == "cancel":
-                applied = driver.release(conn, job.fence, error=o.error, attempt=job.attempt, cancel=True)
-                name = "cancelled"
-            elif job.attempt >= job.max_attempts:
-                applied = driver.dead_letter(conn, job.fence, o.error)
-                name = "dead_letter"
-            else:
-                o.delay = self.queue.retry_delay(job.kind, job.attempt)
-                applied = driver.release(conn, job.fence, delay=o.delay, error=o.error, attempt=job.attempt)
-                name = "failed"
-            if not applied and o.committing and driver.finished_under(conn, job.fence):
-                applied, name = True, "finished"  # the commit went through; only its reply was lost
-        self.report(o, name if applied else "lost")
-
-    def _outages(self, conn: Connection, fence: Fence) -> int:
-        """How many attempts of this job were already refunded for outages (a rare path: one read)."""
-        return sum(_UNCOUNTED in str(e.get("error", "")) for e in self.driver.errors_of(conn, fence))
+        with self.driver.write(self.engine) as conn:
+            verdict = settle(self.driver, conn, job.fence, o.result, job.attempt, job.max_attempts, error=o.error,
+                             snooze=o.delay, retry_delay=lambda: self.queue.retry_delay(job.kind, job.attempt))
+            # Not ours any more: a commit may have gone through with only its reply lost.
+            finished = verdict is None and o.committing and self.driver.finished_under(conn, job.fence)
+        if verdict is not None:
+            o.delay = verdict.delay
+        self.report(o, "finished" if finished else verdict.event if verdict is not None else "lost")
 
     def report(self, o: Outcome, name: str) -> None:
         job = o.job
@@ -277,9 +247,9 @@ class Store:
     # -- housekeeping ------------------------------------------------------------------
 
     def reap(self) -> None:
-        """Hand back jobs whose worker vanished, by the rules of sqla_jobs.worker.lost (the lost attempt counts,
+        """Hand back jobs whose worker vanished, by the outcome policy's ``lost`` (the lost attempt counts,
         and the job's next run is alone in its worker process)."""
-        hand_back(self.queue, self.engine, self.driver, self.driver.expired,
+        hand_back_lost(self.queue, self.engine, self.driver, self.driver.expired,
                   "worker {row.locked_by} stopped heartbeating (lease expired)")
 
     def upkeep(self) -> None:

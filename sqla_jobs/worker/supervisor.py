@@ -8,14 +8,14 @@ Signals. The children run in their own process group, so the terminal's
 Ctrl-C (which goes to the whole foreground group) reaches only the
 supervisor, and each stop reaches a child exactly once, from the supervisor:
 the first SIGTERM or SIGINT is forwarded to every child as SIGTERM (a graceful
-stop: running jobs get ``--grace`` seconds, then are given back), a second one
+stop: running jobs get ``--grace`` seconds, then are handed back), a second one
 again (the children exit at once, and the supervisor hands their jobs back).
 A signal that comes while the supervisor or a child is starting is a stop
 too. A child whose supervisor vanished (killed with SIGKILL) stops itself.
 
 A child that dies (a poison job that kills its process, an OOM kill) is
 started again after a pause; its running jobs are handed back at once, by the
-lease reaper's rules (``sqla_jobs.worker.lost``), instead of after a whole lease. For
+lease reaper's rules (``sqla_jobs.worker.outcomes.hand_back_lost``), instead of after a whole lease. For
 that the supervisor names each child, so it knows which jobs were its.
 """
 
@@ -40,7 +40,7 @@ from sqlalchemy.exc import DBAPIError
 from .._app import JobQueue
 from ..errors import ConnectionProblem, SqlaJobsError
 from . import signals as _signals
-from .lost import hand_back
+from .outcomes import hand_back_lost
 from .process import WorkerProcess, run_worker_process
 
 __all__ = ["child_main", "supervise"]
@@ -138,8 +138,8 @@ def _died(queue: JobQueue[Any, Any], engine: Engine, child: _Child) -> None:
     """Hand back what the dead child was running; on a database error, its leases still cover it."""
     try:
         driver = queue.driver(engine)
-        count = hand_back(queue, engine, driver, lambda conn: driver.held_by(conn, child.name),
-                          f"worker process {child.name} exited with {child.proc.returncode}")
+        count = hand_back_lost(queue, engine, driver, lambda conn: driver.held_by(conn, child.name),
+                               f"worker process {child.name} exited with {child.proc.returncode}")
     except DBAPIError as exc:
         log.warning("could not hand back the jobs of worker %s (%s); their leases will expire",
                     child.name, str(exc.orig or exc).strip().splitlines()[0])

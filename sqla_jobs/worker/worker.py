@@ -33,7 +33,7 @@ The control loop, on each turn:
    ``flush_interval`` to be batched, and a claim waits until half the threads
    are free, unless the worker is idle; a job whose last worker was lost
    runs alone (claimed only by an idle worker, which then claims nothing
-   else until it ends: see sqla_jobs.worker.lost);
+   else until it ends: see sqla_jobs.worker.outcomes);
 5. sleeps until handler threads have something for it, a NOTIFY arrives
    (PostgreSQL) or ``poll_interval`` passes.
 

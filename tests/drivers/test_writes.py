@@ -23,7 +23,7 @@ WRITES: dict[str, Callable[[Any, Connection, Fence], bool]] = {
     "release": lambda d, c, f: d.release(c, f, error="boom", attempt=1),
     "release_cancel": lambda d, c, f: d.release(c, f, cancel=True),
     "dead_letter": lambda d, c, f: d.dead_letter(c, f, "boom"),
-    "give_back": lambda d, c, f: bool(d.give_back(c, [f])),
+    "release_many": lambda d, c, f: bool(d.release_many(c, [f], refund=True, isolate=None)),
     "finish_and_claim": lambda d, c, f: bool(d.finish_and_claim(c, [f], 0, "w", "t", 60.0, None)[0]),
 }
 
@@ -85,7 +85,7 @@ def test_retry_keeps_the_error_history_and_delays(backend: Backend) -> None:
 
 def test_refund_cancel_and_requested_cancel(backend: Backend) -> None:
     job = _claimed(backend)
-    assert in_write(backend, lambda c: backend.driver.give_back(c, [job.fence])) == 1
+    assert in_write(backend, lambda c: backend.driver.release_many(c, [job.fence], refund=True, isolate=None)) == 1
     assert (backend.row(job.id).state, backend.row(job.id).attempts) == ("pending", 0)
     [job] = backend.claim(1)
     assert in_write(backend, lambda c: backend.driver.cancel(c, job.id)) == (True, "running")

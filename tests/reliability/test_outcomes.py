@@ -17,7 +17,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from sqla_jobs import JobEvent, Worker
-from sqla_jobs.worker.store import MAX_UNCOUNTED_OUTAGES
+from sqla_jobs.worker.outcomes import MAX_UNCOUNTED_OUTAGES
 from tests import app
 from tests.conftest import Database
 from tests.helpers import run_burst

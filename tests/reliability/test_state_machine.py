@@ -22,6 +22,7 @@ from sqlalchemy import delete, select, update
 
 from sqla_jobs import Worker
 from sqla_jobs.drivers.base import Fence
+from sqla_jobs.worker.outcomes import hand_back_unfinished
 from tests import app
 from tests.conftest import Database
 
@@ -165,7 +166,7 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
         @rule(index=st.integers(0, 1000))
         def give_back(self, index: int) -> None:
             fence = self.pick(index)
-            if self.fenced_write(fence, lambda conn: sql.give_back(conn, [fence])):
+            if self.fenced_write(fence, lambda conn: hand_back_unfinished(sql, conn, [fence])):
                 m = self.model[fence[0]]
                 m.state, m.token, m.expired = "pending", None, False
                 m.attempts -= 1
