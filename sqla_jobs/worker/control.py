@@ -158,7 +158,8 @@ class Control:
                 if grace_ends is not None and time.monotonic() >= grace_ends:
                     self._hand_back_unfinished()
                     return
-            elif burst and not ex.live_count and not self._unwritten and not ex.has_outcomes() and db_failures == 0:
+            elif (burst and ex.accepting and not ex.live_count and not self._unwritten and not ex.has_outcomes()
+                  and db_failures == 0):
                 return
             timeout = min(self.config.poll_interval, max(0.0, next_heartbeat - time.monotonic()))
             if self._unwritten_since is not None:
@@ -187,7 +188,7 @@ class Control:
         Nothing while an isolated job runs; nothing but an isolated job once one
         is waiting, so the worker drains and then claims it alone.
         """
-        if self.stopping:
+        if self.stopping or not self.executor.accepting:  # the relay's broker is unreachable: jobs wait pending
             return False
         running = self.executor.running
         if self._isolated is not None:
@@ -234,9 +235,9 @@ class Control:
     def _exchange(self, write: bool, claims: list[Claim]) -> int:
         """Write outcomes (if ``write``) and make ``claims`` for free threads; how many jobs were claimed.
 
-        Failures, snoozes and cancels are written first, one each (the rare
-        case), so a retry that is due at once can be claimed in this same turn;
-        so are successes that carry a result or progress. The plain successes
+        Failures, snoozes and cancels are written first, in one transaction
+        (the rare case: ``Store.settle``), so a retry that is due at once can be
+        claimed in this same turn; so are successes that carry a result or progress. The plain successes
         and the first claim then share one round trip; each further claim (per
         queue, with slots) is one more.
         """
@@ -244,16 +245,19 @@ class Control:
         ok: list[Outcome] = []
         if write:
             valued: list[Outcome] = []
+            rare: list[Outcome] = []
             for outcome in self._unwritten:
                 if outcome.written:
                     continue
                 if outcome.result == "ok":
                     (ok if outcome.value is None and outcome.progress is None else valued).append(outcome)
                 else:
-                    self.store.write_one(outcome)
-                    outcome.written = True
+                    rare.append(outcome)
+            if rare:
+                self.store.settle(rare)
+                for outcome in rare:
                     self._empty_until.pop(outcome.job.queue, None)  # a retry may be due at once
-                    self._others_idle_until = 0.0
+                self._others_idle_until = 0.0
             if valued:
                 self.store.finish_with_results(valued)
         claimed = 0
@@ -296,6 +300,8 @@ class Control:
                 self._isolated = job.fence
                 log.info("job %d %s attempt %d/%d: its worker was lost last time, so it runs alone in this process",
                          job.id, job.kind, job.attempt, job.max_attempts)
+        if jobs:
+            ex.flush()
 
     def _heartbeat_and_reap(self) -> None:
         ex = self.executor

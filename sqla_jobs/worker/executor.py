@@ -54,6 +54,10 @@ class Executor:
     """``concurrency`` handler threads and the runs they hold (touched by the control thread only,
     except ``Run.abandoned``/``finishing``, which the lock orders)."""
 
+    #: Whether runs can start now; the control loop claims nothing while not (the relay's executor: its
+    #: broker is unreachable, so jobs wait pending in the table instead of failing).
+    accepting = True
+
     def __init__(self, engine: Engine, queue: JobQueue[Any, Any], driver: Driver, concurrency: int,
                  worker_name: str, database: DatabaseKey, wake: threading.Event, *,
                  count_queues: bool = False) -> None:
@@ -111,6 +115,9 @@ class Executor:
     def _dispatch(self, run: Run) -> None:
         """Hand the run to a handler thread (the async executor starts a task instead)."""
         self._todo.put(run)
+
+    def flush(self) -> None:
+        """Every run of one claim was submitted (the relay's executor publishes them as one batch here)."""
 
     def collect(self, take: Callable[[Outcome], None]) -> None:
         """Pass each outcome the threads produced to ``take``; free their slots."""

@@ -5,7 +5,7 @@ PostgreSQL one autocommit connection: each hot write is one fenced statement,
 atomic on its own, so a BEGIN/COMMIT round trip would buy nothing; on
 MariaDB/MySQL one connection kept at READ COMMITTED), writes
 outcomes (``finish_and_claim`` for the batch of successes plus the claim in one
-round trip, ``write_one`` for the rare outcomes, as ``outcomes.settle`` decides), heartbeats, reaps, prunes and
+round trip, ``settle`` for the rare outcomes, as the outcome policy decides), heartbeats, reaps, prunes and
 hands jobs back, and reports each written outcome to the log and the hooks.
 """
 
@@ -216,21 +216,37 @@ class Store:
 
     # -- the rare outcomes -------------------------------------------------------------
 
-    def write_one(self, o: Outcome) -> None:
-        """Write a failure, snooze, cancel, outage (or report a committed / lost run) in its own transaction,
-        as the outcome policy decides (sqla_jobs.worker.outcomes)."""
+    def settle(self, outcomes: list[Outcome]) -> None:
+        """Write failures, snoozes, cancels, outages, hand-backs (and report committed / lost runs) as the
+        outcome policy decides (``outcomes.settle``), all in one transaction: a broker-lost batch of the
+        relay, or a burst of failures, is one commit, not one per job. Each is marked written and
+        reported once the transaction has committed (a database error leaves them all to the next try)."""
+        reports: list[tuple[Outcome, str]] = []
+        rare = [o for o in outcomes if o.result not in ("committed", "lost")]
+        if rare:
+            with self.driver.write(self.engine) as conn:
+                for o in rare:
+                    reports.append((o, self._settle(conn, o)))
+        for o in outcomes:
+            o.written = True
+        for o in outcomes:
+            if o.result in ("committed", "lost"):
+                self.report(o, "finished" if o.result == "committed" else "lost")
+        for o, name in reports:
+            self.report(o, name)
+
+    def _settle(self, conn: Connection, o: Outcome) -> str:
+        """One outcome through the policy, in ``conn``'s transaction; the name it is reported under."""
         job = o.job
-        if o.result in ("committed", "lost"):
-            self.report(o, "finished" if o.result == "committed" else "lost")
-            return
-        with self.driver.write(self.engine) as conn:
-            verdict = settle(self.driver, conn, job.fence, o.result, job.attempt, job.max_attempts, error=o.error,
-                             snooze=o.delay, retry_delay=lambda: self.queue.retry_delay(job.kind, job.attempt))
-            # Not ours any more: a commit may have gone through with only its reply lost.
-            finished = verdict is None and o.committing and self.driver.finished_under(conn, job.fence)
+        # o.delay: a snooze's seconds, or the pause before a broker-lost batch is due again (the relay).
+        verdict = settle(self.driver, conn, job.fence, o.result, job.attempt, job.max_attempts, error=o.error,
+                         snooze=o.delay, pause=o.delay,
+                         retry_delay=lambda: self.queue.retry_delay(job.kind, job.attempt))
         if verdict is not None:
             o.delay = verdict.delay
-        self.report(o, "finished" if finished else verdict.event if verdict is not None else "lost")
+            return verdict.event
+        # Not ours any more: a commit may have gone through with only its reply lost.
+        return "finished" if o.committing and self.driver.finished_under(conn, job.fence) else "lost"
 
     def report(self, o: Outcome, name: str) -> None:
         job = o.job
