@@ -67,8 +67,9 @@ class Relay:
     refused messages). The relay takes every job of its queues, so give the
     relayed kinds a queue of their own that no worker serves
     (``Job(kind="order.created", queue="relay", ...)``). ``lease``: seconds a
-    claim is held before another relay may take it over (a dead relay's jobs
-    wait this long). ``confirm_timeout``: how long to wait for the broker's
+    claim lasts without a heartbeat (the relay renews the leases of its batch in
+    flight every ``min(5, lease / 4)`` seconds), so a dead relay's jobs wait at
+    most this long before another relay takes them over. ``confirm_timeout``: how long to wait for the broker's
     acknowledgements before the batch is taken as not delivered; keep it well
     under ``lease``. ``listen``: on PostgreSQL, wake up when a job is enqueued
     (LISTEN/NOTIFY, like a worker) instead of only every ``poll_interval``.
