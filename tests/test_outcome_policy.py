@@ -148,3 +148,21 @@ def test_no_module_but_the_policy_ends_a_run_unfinished() -> None:
             stray[str(path.relative_to(PACKAGE.parent))] = calls
     assert stray == {}, f"only {POLICY.name} may end a run unfinished; found {stray}"
     assert ending_calls(POLICY.read_text()), "the policy itself must be where the statements are called"
+
+
+def test_no_module_outside_the_drivers_builds_a_write_statement() -> None:
+    """The other half of the guarantee above: a module that cannot build an UPDATE, DELETE or INSERT can
+    change a job row only through a driver method, and the driver's methods that end a run are the ones
+    only the policy calls. (Admin operations, which also set states, are driver methods of their own:
+    ``drivers/_operations.py``, not run endings.)"""
+    writes = {"update", "delete", "insert"}
+    stray = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if (PACKAGE / "drivers") in path.parents:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sqlalchemy"):
+                names = {alias.name for alias in node.names} & writes
+                if names:
+                    stray[str(path.relative_to(PACKAGE.parent))] = sorted(names)
+    assert stray == {}, f"write statements belong in sqla_jobs/drivers/; found imports of them in {stray}"

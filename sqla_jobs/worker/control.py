@@ -25,7 +25,9 @@ Rules it keeps (module docstring of ``sqla_jobs.worker.worker`` for the whole st
   it runs, and once one is waiting the worker drains to claim it alone;
 * after a database error, the next try waits ``Store.retry_pause``; outcomes
   not yet written stay in memory meanwhile;
-* stopping: no more claims; running jobs get ``grace`` seconds, then are handed back.
+* stopping: no more claims; running jobs get ``grace`` seconds, then are handed back;
+* nothing is claimed while the executor is not ``accepting`` (the relay's
+  ``PublishExecutor`` while its broker is unreachable: the jobs wait pending).
 """
 
 from __future__ import annotations
@@ -237,9 +239,9 @@ class Control:
 
         Failures, snoozes and cancels are written first, in one transaction
         (the rare case: ``Store.settle``), so a retry that is due at once can be
-        claimed in this same turn; so are successes that carry a result or progress. The plain successes
-        and the first claim then share one round trip; each further claim (per
-        queue, with slots) is one more.
+        claimed in this same turn; so are successes that carry a result or
+        progress. The plain successes and the first claim then share one round
+        trip; each further claim (per queue, with slots) is one more.
         """
         ex = self.executor
         ok: list[Outcome] = []
@@ -340,8 +342,8 @@ class Control:
     def _hand_back_unfinished(self) -> None:
         """Grace is over: return unfinished jobs to the queue so they run again promptly.
 
-        The hand-back (the outcome policy's ``shutdown``) is fenced, so it cannot undo a transactional run that
-        finished meanwhile (on SQLite it waits for that run's write lock, and
+        The hand-back (the outcome policy's ``shutdown``) is fenced, so it cannot
+        undo a transactional run that finished meanwhile (on SQLite it waits for that run's write lock, and
         the run finishes); such a run is not abandoned but waited for briefly,
         so its completion is reported like any other.
         """
