@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+from sqlalchemy import text
+
 from tests import app
 from tests.conftest import ROOT, Database
 from tests.helpers import count, dead, enqueue
@@ -42,6 +44,13 @@ def test_supervisor_restarts_a_dead_worker_process_and_stops_on_sigterm(db: Data
         wait_until(lambda: count(db.engine, app.Job, app.Job.id == later, app.Job.state == "finished") == 1,
                    30, "a job enqueued after the crashes to run")
         assert supervisor.poll() is None, "the supervisor exited on its own"
+        if db.backend == "postgresql":
+            # The supervisor handed the dead child's job back on its own engine, hardened like the workers'
+            # (keepalives, timeouts, application_name): the connection it keeps is named for it.
+            with db.engine.connect() as conn:
+                names = conn.execute(text("SELECT application_name FROM pg_stat_activity "
+                                          "WHERE datname = current_database()")).scalars().all()
+            assert any(n.startswith("sqla-jobs worker") and n.endswith(" supervisor") for n in names), names
     finally:
         supervisor.send_signal(signal.SIGTERM)
         _, stderr = supervisor.communicate(timeout=60)

@@ -77,6 +77,9 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
               name: str | None) -> int:
     """Run ``processes`` worker processes until stopped (or, with ``burst``, until all are done)."""
     prefix = name or socket.gethostname()
+    # The supervisor's own connections (it hands back a dead child's jobs) get the workers' settings:
+    # keepalives and timeouts, so a dead network cannot hang it, and a name in pg_stat_activity.
+    queue.driver(engine).harden(engine, f"{prefix} supervisor")
     stopping = False
     children: list[_Child] = []
 
