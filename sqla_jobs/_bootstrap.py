@@ -24,7 +24,7 @@ from .drivers import driver_class, normalise_url
 from .errors import ConfigError, ConnectionProblem, SchemaError
 
 __all__ = ["database_url", "is_async_url", "load_app", "make_async_engine", "make_engine", "missing_database",
-           "sync_twin", "worker_pool_size"]
+           "sync_engine_for", "sync_twin", "worker_pool_size"]
 
 
 def load_app(spec: str | None) -> JobQueue[Any, Any]:
@@ -98,8 +98,11 @@ def make_engine(raw: str | None, pool_size: int | None = None, *, create: bool =
     ``create``: the command creates the database (``create-tables``); every other one needs
     existing tables, so an SQLite file that does not exist is refused before connecting
     (which would leave an empty file behind, e.g. for a typo in the path).
+    An async URL (``sqlite+aiosqlite``, ``postgresql+psycopg_async``: what an async app and its
+    worker use) is taken on its backend's sync driver: the same database, for a sync engine.
     """
     url = database_url(raw)
+    url = driver_class(url.get_backend_name()).sync_url(url)
     missing = None if create else missing_database(url)
     if missing is not None:
         raise SchemaError(
@@ -118,6 +121,21 @@ def make_engine(raw: str | None, pool_size: int | None = None, *, create: bool =
         first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
         raise ConnectionProblem(f"cannot reach the database at {url.render_as_string()}: {first}") from None
     return engine
+
+
+def sync_engine_for(bind: Any) -> Engine:
+    """``bind`` if it is a sync ``Engine``; for an ``AsyncEngine``, a sync engine on the same database
+    (its URL's sync twin), for the admin work that runs on plain connections (the dashboard, stats)."""
+    if isinstance(bind, Engine):
+        return bind
+    sync = getattr(bind, "sync_engine", None)
+    if not isinstance(sync, Engine):
+        raise ConfigError(f"expected a SQLAlchemy Engine or AsyncEngine, got {type(bind).__name__}")
+    url = driver_class(sync.dialect.name).sync_url(sync.url)
+    try:
+        return create_engine(url)
+    except (NoSuchModuleError, ImportError) as exc:
+        raise ConfigError(f"the sync twin of {url.render_as_string()!r}: {exc}") from None
 
 
 def is_async_url(raw: str | None) -> bool:

@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine
 
 from .._app import JobQueue
+from .._bootstrap import sync_engine_for
 from ..errors import ConfigError
 from ._samples import KEEP, SAMPLE_INTERVAL, record_sample, samples_table
 
 if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncEngine
     from starlette.applications import Starlette
     from starlette.requests import Request
 
@@ -35,7 +37,7 @@ __all__ = ["dashboard", "record_sample", "samples_table"]
 
 
 def dashboard(
-    engine: Engine,
+    engine: Engine | AsyncEngine,
     queue: JobQueue[Any, Any],
     *,
     actions: bool = False,
@@ -52,6 +54,10 @@ def dashboard(
 ) -> Starlette:
     """The dashboard as an ASGI app for ``engine``'s tables of ``queue``.
 
+    ``engine``: a sync ``Engine`` or the ``AsyncEngine`` of an async app (the dashboard then
+    reads and writes through a sync engine on the same database, its URL's sync twin:
+    ``sqlite+aiosqlite`` -> ``sqlite``, ``postgresql+psycopg_async`` -> ``postgresql+psycopg``).
+
     ``actions``: allow cancel / retry / requeue / purge; needs ``token``
     (Bearer header or the login form), ``basic_auth=(user, password)``, or
     ``auth(request) -> bool`` (your own session or user check), unless
@@ -66,6 +72,6 @@ def dashboard(
         from ._app import build
     except ImportError as exc:
         raise ConfigError(f'the dashboard needs the web extra: pip install "sqla-jobs[web]" ({exc})') from None
-    return build(engine, queue, actions=actions, token=token, basic_auth=basic_auth, auth=auth,
+    return build(sync_engine_for(engine), queue, actions=actions, token=token, basic_auth=basic_auth, auth=auth,
                  allow_anonymous_actions=allow_anonymous_actions, secret=secret, title=title, refresh=refresh,
                  sample_interval=sample_interval, keep=keep, record_samples=record_samples)

@@ -46,6 +46,7 @@ from sqlalchemy import (
 )
 
 from .._app import JobQueue
+from .._bootstrap import sync_engine_for
 from .._companion import companion_table
 from ..drivers import _dashboard as sql_dashboard
 
@@ -85,14 +86,22 @@ def due(engine: Engine, queue: JobQueue[Any, Any], interval: float = SAMPLE_INTE
 
 
 def record_sample(
-    engine: Engine, queue: JobQueue[Any, Any], *, interval: float = SAMPLE_INTERVAL, keep: float = KEEP
+    engine: Engine | Any, queue: JobQueue[Any, Any], *, interval: float = SAMPLE_INTERVAL, keep: float = KEEP
 ) -> int:
     """Write one sample of the figures now and prune samples older than ``keep`` seconds; returns rows written.
+
+    ``engine``: an ``Engine``, or an ``AsyncEngine`` (written through a sync engine on the same database).
 
     Run it every ``interval`` seconds (cron, a scheduler) to keep charts while no
     dashboard is open; run time and throughput cover the last ``interval``.
     Creates the samples table if it is missing.
     """
+    if not isinstance(engine, Engine):
+        twin = sync_engine_for(engine)
+        try:
+            return record_sample(twin, queue, interval=interval, keep=keep)
+        finally:
+            twin.dispose()
     table = samples_table(queue)
     table.create(engine, checkfirst=True)
     stats = queue.stats(engine, window=interval)
