@@ -156,11 +156,12 @@ def check_pool(engine: Engine, config: WorkerConfig) -> None:
     capacity = size() + overflow
     needed = config.pool_size
     if capacity < needed:
+        factory = "create_async_engine" if engine.dialect.is_async else "create_engine"  # an AsyncEngine's own
         log.warning(
             "worker %s: the engine's pool holds at most %d connections but concurrency %d may need %d "
             "(one per transactional handler, plus the worker's own); handlers would wait for a connection "
-            "and fail. Create the engine with create_engine(url, pool_size=%d)",
-            config.worker_name, capacity, config.concurrency, needed, needed,
+            "and fail. Create the engine with %s(url, pool_size=%d)",
+            config.worker_name, capacity, config.concurrency, needed, factory, needed,
         )
 
 
