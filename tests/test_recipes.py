@@ -87,3 +87,29 @@ def test_readme_quickstart_is_importable_as_the_app_its_comment_names(tmp_path: 
     assert listed.returncode == 0, listed.stderr
     # Importing the app neither enqueued another order nor ran a worker of its own.
     assert [row["state"] for row in json.loads(listed.stdout)] == ["finished"]
+
+
+def test_the_flask_recipes_worker_finds_the_apps_sqlite_database(tmp_path: Path) -> None:
+    write_page("howto/frameworks.md", tmp_path)
+    (tmp_path / "order.py").write_text(
+        "import sys\nfrom flask_app import app\n"
+        "client = app.test_client()\n"
+        "if sys.argv[1] == 'place':\n"
+        "    assert client.post('/orders', json={'email': 'ada@example.com'}).status_code == 201\n"
+        "else:\n"
+        "    print(client.get('/orders/1').get_json())\n"
+    )
+    placed = run("python order.py place", tmp_path)
+    assert placed.returncode == 0, placed.stderr
+    source = (tmp_path / "flask_app.py").read_text()
+    comment = re.search(r"#\s+(sqla-jobs worker --url \S+ --app flask_app:queue)", source)
+    assert comment, "flask_app.py no longer says how to start its worker"
+    worker = run(comment.group(1) + " --burst", tmp_path)  # the command the recipe gives, literally
+    assert worker.returncode == 0, worker.stderr
+    assert "confirm_order attempt 1/5" in worker.stderr
+    shown = run("python order.py show", tmp_path)
+    assert "'confirmed': True" in shown.stdout, shown.stdout + shown.stderr
+    for command in sh_commands("howto/frameworks.md"):  # the page's own commands, as printed
+        if "flask_app" in command or "instance/shop.db" in command:
+            result = run(command, tmp_path)
+            assert result.returncode == 0, (command, result.stderr)

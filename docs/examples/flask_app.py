@@ -71,5 +71,7 @@ def create_app(database_url: str) -> Flask:
     return app
 
 
-# `flask --app flask_app run`; the worker: sqla-jobs worker --url <the same URL> --app flask_app:queue
+# `flask --app flask_app run`. Flask-SQLAlchemy keeps a relative SQLite file in the app's instance
+# folder, so the worker (no Flask app) names that path; a server URL is the same for both:
+#   sqla-jobs worker --url sqlite:///instance/shop.db --app flask_app:queue
 app = create_app(os.environ.get("DATABASE_URL", "sqlite:///shop.db"))
