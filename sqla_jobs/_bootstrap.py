@@ -23,8 +23,8 @@ from ._app import JobQueue
 from .drivers import driver_class, normalise_url
 from .errors import ConfigError, ConnectionProblem, SchemaError
 
-__all__ = ["database_url", "is_async_url", "load_app", "make_async_engine", "make_engine", "missing_database",
-           "sync_engine_for", "sync_twin", "worker_pool_size"]
+__all__ = ["database_url", "is_async_url", "load_app", "load_worker_app", "make_async_engine", "make_engine",
+           "missing_database", "sync_engine_for", "sync_twin", "worker_pool_size"]
 
 
 def load_app(spec: str | None) -> JobQueue[Any, Any]:
@@ -39,10 +39,7 @@ def load_app(spec: str | None) -> JobQueue[Any, Any]:
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
-        raise ConfigError(
-            f"--app {spec!r}: cannot import {module_name!r} ({exc}); run from your project's directory "
-            "or add it to PYTHONPATH"
-        ) from None
+        raise ConfigError(_import_problem(spec, module_name, exc)) from None
     except Exception as exc:  # the module itself is broken (SyntaxError, a failing import-time setting, ...)
         raise ConfigError(
             f"--app {spec!r}: importing {module_name!r} raised {type(exc).__name__}: {exc}; "
@@ -56,6 +53,32 @@ def load_app(spec: str | None) -> JobQueue[Any, Any]:
         what = f"the class {obj.__name__}" if isinstance(obj, type) else f"a {type(obj).__name__}"
         raise ConfigError(f"--app {spec!r} is {what}, not a sqla_jobs.JobQueue; name your JobQueue instance")
     return obj
+
+
+def _import_problem(spec: str, module_name: str, exc: ImportError) -> str:
+    """What went wrong importing ``--app``'s module: the module is not there, or it is and an import in it failed."""
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    if missing is not None and (module_name == missing or module_name.startswith(missing + ".")):
+        return (f"--app {spec!r}: cannot import {module_name!r} ({exc}): there is no such module here; run from "
+                "your project's directory or add it to PYTHONPATH")
+    if missing is not None:  # the module was found; something it imports is not installed
+        return (f"--app {spec!r}: {module_name!r} was found, but it imports {missing!r}, which is not installed "
+                f"for this Python ({sys.executable}); install the package that provides it in this environment "
+                f"(e.g. pip install {missing.split('.')[0]}), then check with: python -c 'import {module_name}'")
+    return (f"--app {spec!r}: {module_name!r} was found, but an import in it failed (ImportError: {exc}); fix it, "
+            f"then check with: python -c 'import {module_name}'")
+
+
+def load_worker_app(spec: str | None) -> JobQueue[Any, Any]:
+    """``load_app`` for a worker: the queue must have handlers, or every job it claims would fail."""
+    queue = load_app(spec)
+    if not queue.handlers:
+        raise ConfigError(
+            f"--app {spec!r} has no handlers: a worker would fail every job it claims (unknown kind). Register "
+            "them with @queue.handler(\"kind\") in that module, or import the modules that do from it, then start "
+            "the worker again"
+        )
+    return queue
 
 
 def worker_pool_size(concurrency: int) -> int:

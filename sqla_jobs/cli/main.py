@@ -9,7 +9,7 @@ Exit status: 0 success, 1 the command ran and found a problem (unreachable
 database, failing health check), 2 bad usage or configuration, 141 the
 output's reader went away (``| head``). Errors are one readable line, never a
 traceback. Here: ``main``, the parser and the worker; the admin commands are
-in ``_cli_admin``, ``migrations`` in ``_cli_migrations``.
+in ``admin``, ``migrations`` in ``migrations`` (this folder).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from sqlalchemy.exc import DBAPIError
 
 from .. import __version__
-from .._bootstrap import is_async_url, load_app, make_engine, sync_twin
+from .._bootstrap import is_async_url, load_worker_app, make_engine, sync_twin
 from .._durations import parse_duration
 from .._models import STATES
 from ..errors import ConfigError, ConnectionProblem, SqlaJobsError
@@ -55,6 +55,7 @@ from .relay import add_relay_parser
 __all__ = ["main"]
 
 log = logging.getLogger("sqla_jobs")
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 # -- commands ------------------------------------------------------------------
@@ -87,7 +88,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
                          metrics_addr=args.metrics_addr, log_level=args.log_level, asynchronous=asynchronous)
     if args.processes == 1:
         return run_worker_process(spec)
-    queue = load_app(args.app)
+    queue = load_worker_app(args.app)
     # The supervisor hands back its children's jobs on a sync engine: the async URL's sync twin.
     engine = make_engine(sync_twin(args.url) if asynchronous else args.url, pool_size=config.pool_size)
     queue.check_schema(engine)
@@ -194,9 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="`sqla-jobs COMMAND --help` describes each command; docs/reference/cli.md has them all.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                         help="print the version of sqla-jobs and exit")
-    parser.add_argument("--log-level", default=os.environ.get("SQLA_JOBS_LOG_LEVEL", "INFO"),
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-                        help="how much the command logs (env SQLA_JOBS_LOG_LEVEL)")
+    parser.add_argument("--log-level", default=os.environ.get("SQLA_JOBS_LOG_LEVEL", "INFO"), choices=LOG_LEVELS,
+                        help="how much the command logs (env SQLA_JOBS_LOG_LEVEL); also after the command")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("worker", help="claim and run jobs until stopped")
@@ -364,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     for _path, command, summary in iter_commands(parser):
         if not command.description:  # `sqla-jobs COMMAND --help` starts with what the command does
             command.description = summary[:1].upper() + summary[1:] + "."
+        if not any(isinstance(a, argparse._SubParsersAction) for a in command._actions):  # `worker --log-level X`
+            command.add_argument("--log-level", default=argparse.SUPPRESS, choices=LOG_LEVELS,
+                                 help="how much the command logs (env SQLA_JOBS_LOG_LEVEL, default INFO)")
     return parser
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from .._app import JobQueue
-from .._bootstrap import load_app, make_async_engine, make_engine, sync_twin
+from .._bootstrap import load_worker_app, make_async_engine, make_engine, sync_twin
 from ..errors import ConfigError
 from .async_worker import AsyncWorker
 from .config import WorkerConfig
@@ -42,7 +42,7 @@ class WorkerProcess:
 
 def run_worker_process(spec: WorkerProcess, engine: Engine | None = None) -> int:
     """Run one worker until it stops; its exit status."""
-    queue = load_app(spec.app)
+    queue = load_worker_app(spec.app)
     if spec.asynchronous:
         return asyncio.run(_run_async(spec, queue))
     if engine is None:

@@ -1,0 +1,87 @@
+"""A new user's stumbles with the command (issue 30), each run in a subprocess as the user ran it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, Database, run_cli
+from tests.helpers import enqueue, job
+from tests.test_cli import APP, assert_clean_error, clean_env
+
+EMPTY_APP = '''
+from sqlalchemy.orm import DeclarativeBase
+
+from sqla_jobs import DeadJobMixin, JobMixin, JobQueue
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Job(JobMixin, Base):
+    __tablename__ = "jobs"
+
+
+class DeadJob(DeadJobMixin, Base):
+    __tablename__ = "dead_jobs"
+
+
+queue = JobQueue(Job, DeadJob)  # the handlers live in a module nobody imports
+'''
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_a_worker_whose_app_has_no_handlers_refuses_to_start(db: Database, tmp_path: Path, processes: str) -> None:
+    (tmp_path / "empty_app.py").write_text(EMPTY_APP)
+    waiting = enqueue(db.engine, "noop")
+    env = db.env(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    result = run_cli("worker", "--burst", "--processes", processes, "--app", "empty_app:queue", env=env)
+    assert_clean_error(result, 2, "--app 'empty_app:queue' has no handlers", "@queue.handler")
+    row = job(db.engine, waiting)
+    assert row is not None and row.state == "pending" and row.attempts == 0  # no attempt burnt
+
+
+@pytest.mark.parametrize(
+    ("files", "spec", "fragments"),
+    [
+        # The module is there; a dependency it imports is not installed: say so, not "add it to PYTHONPATH".
+        ({"shop_jobs.py": "import stripe_sdk_not_installed\n"}, "shop_jobs:queue",
+         ("'shop_jobs' was found, but it imports 'stripe_sdk_not_installed', which is not installed",
+          "pip install stripe_sdk_not_installed")),
+        # An ImportError of another kind inside the module.
+        ({"shop_jobs.py": "from os import no_such_name\n"}, "shop_jobs:queue",
+         ("'shop_jobs' was found, but an import in it failed", "no_such_name")),
+        # The module itself is not there (in a package that is): the path advice is the right one.
+        ({"shop/__init__.py": ""}, "shop.jobs:queue", ("cannot import 'shop.jobs'", "PYTHONPATH")),
+        ({}, "no_such_module_xyz:queue", ("cannot import 'no_such_module_xyz'", "PYTHONPATH")),
+    ],
+)
+def test_an_app_that_cannot_be_imported_says_which_import_failed(
+    files: dict[str, str], spec: str, fragments: tuple[str, ...], tmp_path: Path
+) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    env = clean_env(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}")
+    result = run_cli("worker", "--burst", "--url", f"sqlite:///{tmp_path / 'x.db'}", "--app", spec, env=env)
+    error = assert_clean_error(result, 2, *fragments)
+    if "was found" in error:
+        assert "PYTHONPATH" not in error, error
+
+
+def test_log_level_after_the_command(db: Database) -> None:
+    enqueue(db.engine, "noop")
+    quiet = run_cli("worker", "--burst", "--log-level", "WARNING", *APP, env=db.env())
+    assert quiet.returncode == 0, quiet.stderr
+    assert "INFO" not in quiet.stderr  # neither the start line nor the job's line
+    loud = run_cli("jobs", "list", "--json", "--log-level", "DEBUG", *APP, env=db.env())
+    assert loud.returncode == 0, loud.stderr
+    assert len(json.loads(loud.stdout)) == 1
+    before = run_cli("--log-level", "ERROR", "stats", *APP, env=db.env())  # the old place still works
+    assert before.returncode == 0, before.stderr
+    bad = run_cli("stats", "--log-level", "LOUD", *APP, env=db.env())
+    assert bad.returncode == 2 and "invalid choice: 'LOUD'" in bad.stderr
