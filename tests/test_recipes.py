@@ -12,6 +12,8 @@ import re
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 from tests.test_docs import blocks, run
 
@@ -113,3 +115,22 @@ def test_the_flask_recipes_worker_finds_the_apps_sqlite_database(tmp_path: Path)
         if "flask_app" in command or "instance/shop.db" in command:
             result = run(command, tmp_path)
             assert result.returncode == 0, (command, result.stderr)
+
+
+@pytest.mark.parametrize(("page", "database", "app"), [
+    ("howto/unique-jobs.md", "unique.db", "jobs:queue"),
+    ("howto/periodic-jobs.md", "periodic.db", "reports:queue"),
+])
+def test_a_page_leaves_only_jobs_the_quickstarts_worker_can_run(
+    page: str, database: str, app: str, tmp_path: Path
+) -> None:
+    run_page(page, tmp_path)
+    for command in sh_commands(page):
+        assert run(command, tmp_path).returncode == 0, command
+    # The reader's next step: a worker on what the page left behind.
+    worker = run(f"sqla-jobs worker --burst --url sqlite:///{database} --app {app}", tmp_path)
+    assert worker.returncode == 0, worker.stderr
+    assert "KeyError" not in worker.stderr and "failed" not in worker.stderr, worker.stderr
+    listed = run(f"sqla-jobs jobs list --json --limit 1000 --url sqlite:///{database} --app {app}", tmp_path)
+    states = {row["state"] for row in json.loads(listed.stdout)}
+    assert states <= {"finished"}, states
