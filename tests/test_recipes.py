@@ -13,8 +13,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from sqlalchemy import func, inspect, select, table
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, make_database
 from tests.test_docs import blocks, run
 
 
@@ -134,3 +135,21 @@ def test_a_page_leaves_only_jobs_the_quickstarts_worker_can_run(
     listed = run(f"sqla-jobs jobs list --json --limit 1000 --url sqlite:///{database} --app {app}", tmp_path)
     states = {row["state"] for row in json.loads(listed.stdout)}
     assert states <= {"finished"}, states
+
+
+def test_the_testing_recipe_on_postgresql_leaks_no_job_between_tests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write_page("howto/testing.md", tmp_path)
+    for database in make_database("postgresql", tmp_path):
+        monkeypatch.setenv("TEST_DATABASE_URL", database.url)  # what the page tells the reader to set
+        for _ in range(2):  # twice: the second run starts from what the first left behind
+            result = run("python -m pytest -q -p no:cacheprovider test_shop.py", tmp_path)
+            assert result.returncode == 0, result.stdout + result.stderr
+            assert "5 passed" in result.stdout, result.stdout
+        # The tests ran on PostgreSQL (the recipe created its tables there), and left them empty.
+        tables = set(inspect(database.engine).get_table_names(schema=database.schema))
+        assert {"orders", "jobs", "dead_jobs"} <= tables, tables
+        with database.engine.connect() as conn:
+            for name in ("orders", "jobs", "dead_jobs"):
+                assert conn.scalar(select(func.count()).select_from(table(name, schema=database.schema))) == 0
