@@ -85,3 +85,14 @@ def test_log_level_after_the_command(db: Database) -> None:
     assert before.returncode == 0, before.stderr
     bad = run_cli("stats", "--log-level", "LOUD", *APP, env=db.env())
     assert bad.returncode == 2 and "invalid choice: 'LOUD'" in bad.stderr
+
+
+def test_dashboard_actions_without_a_credential_names_the_flags(tmp_path: Path) -> None:
+    env = clean_env(SQLA_JOBS_URL=f"sqlite:///{tmp_path / 'x.db'}")  # refused before any database is opened
+    result = run_cli("dashboard", "--actions", "--port", "1", *APP, env=env)
+    error = assert_clean_error(result, 2, "--actions needs a credential", "--token-env VAR", "--basic-auth-env VAR")
+    assert "actions=True" not in error and "token=" not in error
+    empty_password = run_cli("dashboard", "--actions", "--basic-auth-env", "ADMIN_PAIR", "--port", "1", *APP,
+                             env={**env, "ADMIN_PAIR": "admin:"})
+    error = assert_clean_error(empty_password, 2, "--basic-auth-env ADMIN_PAIR", "USER:PASSWORD")
+    assert "basic_auth" not in error

@@ -191,7 +191,8 @@ def _cli(db: Database, *args: str, **env: str) -> subprocess.Popen[str]:
 def test_command_refuses_actions_without_a_credential(db: Database) -> None:
     proc = _cli(db, "--actions", "--port", str(_free_port()))
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 2 and "actions=True needs a credential" in out
+    assert proc.returncode == 2 and "--actions needs a credential: add --token-env VAR" in out
+    assert "--basic-auth-env VAR" in out and "actions=True" not in out and len(out.strip().splitlines()) == 1
     proc = _cli(db, "--actions", "--token-env", "NOT_SET_ANYWHERE", "--port", str(_free_port()))
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 2 and "NOT_SET_ANYWHERE is not set" in out

@@ -52,11 +52,15 @@ def options(args: argparse.Namespace) -> dict[str, Any]:
     pair: tuple[str, str] | None = None
     if basic is not None:
         user, sep, password = basic.partition(":")
-        if not sep:
-            raise ConfigError(f"--basic-auth-env {args.basic_auth_env}: the value must be USER:PASSWORD")
+        if not (sep and user and password):
+            raise ConfigError(f"--basic-auth-env {args.basic_auth_env}: the value must be USER:PASSWORD, "
+                              "neither of them empty")
         pair = (user, password)
     if (token or pair) and not args.actions:
         raise ConfigError("a credential without --actions has nothing to protect: add --actions")
+    if args.actions and not (token or pair):
+        raise ConfigError("--actions needs a credential: add --token-env VAR (VAR holds a token to log in with) "
+                          "or --basic-auth-env VAR (VAR holds USER:PASSWORD)")
     return {"actions": args.actions, "token": token, "basic_auth": pair,
             "sample_interval": parse_duration(args.sample_every), "keep": parse_duration(args.keep)}
 
