@@ -96,3 +96,22 @@ def test_dashboard_actions_without_a_credential_names_the_flags(tmp_path: Path) 
                              env={**env, "ADMIN_PAIR": "admin:"})
     error = assert_clean_error(empty_password, 2, "--basic-auth-env ADMIN_PAIR", "USER:PASSWORD")
     assert "basic_auth" not in error
+
+
+def test_a_list_cut_by_its_limit_says_so(db: Database) -> None:
+    from tests.dashboard_helpers import kill
+
+    kill(db, n=3)
+    for _ in range(4):
+        enqueue(db.engine, "noop")
+    cut = run_cli("jobs", "list", "--limit", "3", *APP, env=db.env())
+    assert cut.returncode == 0, cut.stderr
+    assert "3 job(s), newest first (only the first 3: more match; raise --limit" in cut.stdout, cut.stdout
+    whole = run_cli("jobs", "list", "--limit", "4", *APP, env=db.env())
+    assert "4 job(s), newest first" in whole.stdout and "more match" not in whole.stdout, whole.stdout
+    as_json = run_cli("jobs", "list", "--json", "--limit", "3", *APP, env=db.env())
+    assert len(json.loads(as_json.stdout)) == 3
+    dead = run_cli("dead", "list", "--limit", "2", *APP, env=db.env())
+    assert "2 dead job(s), latest failure first (only the first 2: more match" in dead.stdout, dead.stdout
+    every = run_cli("dead", "list", "--limit", "3", *APP, env=db.env())
+    assert "3 dead job(s)" in every.stdout and "more match" not in every.stdout, every.stdout

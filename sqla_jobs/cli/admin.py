@@ -89,6 +89,11 @@ def _short_json(value: Any, width: int = 30) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
+def _cut(more: bool, limit: int, filters: str) -> str:
+    """The title's note when ``--limit`` cut the list: more match than it shows."""
+    return f" (only the first {limit}: more match; raise --limit or narrow with {filters})" if more else ""
+
+
 def _first_line(text: str | None, width: int = 80) -> str:
     return (text or "").splitlines()[0][:width] if text else ""
 
@@ -107,7 +112,8 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
     _check_kind(queue, engine, args.kind, dead=True)
     since = parse_duration(args.since) if args.since else None
     with Session(engine) as session:
-        rows = queue.list_dead(session, kind=args.kind, since=since, limit=args.limit)
+        rows = queue.list_dead(session, kind=args.kind, since=since, limit=args.limit + 1)
+    rows, more = rows[: args.limit], len(rows) > args.limit
     if args.json:
         _print_json([_dead_dict(r) for r in rows])
         return 0
@@ -115,7 +121,7 @@ def cmd_dead_list(args: argparse.Namespace) -> int:
         print("no dead jobs" + (f" of kind {args.kind!r}" if args.kind else ""))
         return 0
     print_table(
-        f"{len(rows)} dead job(s), latest failure first",
+        f"{len(rows)} dead job(s), latest failure first{_cut(more, args.limit, '--kind or --since')}",
         ["id", "kind", "queue", "attempts", "failed at", "last error"],
         [[str(r.id), r.kind, r.queue, str(r.attempts), str(r.failed_at)[:19], _first_line(r.last_error, 80)]
          for r in rows],
@@ -165,7 +171,8 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
     _check_kind(queue, engine, args.kind, dead=False)
     with Session(engine) as session:
         rows = queue.list_jobs(session, kind=args.kind, state=args.state, queue=args.queue,
-                               unique_key=args.unique_key, limit=args.limit)
+                               unique_key=args.unique_key, limit=args.limit + 1)
+    rows, more = rows[: args.limit], len(rows) > args.limit
     if args.json:
         _print_json([_row_dict(r) for r in rows])
         return 0
@@ -181,7 +188,7 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
     # The progress column only when a listed job has one: most kinds never set it, and the table stays narrow.
     progress = any(r.progress is not None for r in rows)
     print_table(
-        f"{len(rows)} job(s), newest first",
+        f"{len(rows)} job(s), newest first{_cut(more, args.limit, '--state, --kind or --queue')}",
         ["id", "kind", "queue", "state", "attempts", "run at", *(["progress"] if progress else []), "last error"],
         [[str(r.id), r.kind, r.queue, r.state, f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
           *([_short_json(r.progress)] if progress else []), _first_line(r.last_error, 60)] for r in rows],
