@@ -11,12 +11,14 @@ import os
 from typing import Any
 
 from sqlalchemy import String, create_engine, func, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from ._app import JobQueue
 from ._backoff import Backoff
 from ._context import current_job
 from ._models import DeadJobMixin, JobMixin
+from .errors import ConfigError
 from .worker.worker import Worker
 
 
@@ -60,11 +62,28 @@ def push_to_crm(payload: dict[str, Any]) -> None:
     raise PermissionError(f"CRM rejected customer {payload['customer']!r}: API key revoked")
 
 
+def _check_path(path: str) -> None:
+    """ConfigError naming ``--db`` and what to do when the demo cannot create its SQLite file there."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ConfigError(f"--db {path}: that is a folder; give a file name, e.g. --db {os.path.join(path, 'demo.db')}")
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--db {path}: the folder {folder} does not exist; create it or give a path in an "
+                          "existing folder")
+    if not os.access(folder, os.W_OK):
+        raise ConfigError(f"--db {path}: cannot write in {folder}; give a path in a folder you can write to")
+
+
 def main(path: str) -> int:
+    _check_path(path)
     if os.path.exists(path):
         os.remove(path)
     engine = create_engine(f"sqlite:///{path}")
-    Base.metadata.create_all(engine)
+    try:
+        Base.metadata.create_all(engine)
+    except OperationalError as exc:
+        raise ConfigError(f"--db {path}: cannot create the SQLite file there ({str(exc.orig).strip()}); "
+                          "give a path in a folder you can write to") from None
     print(f"Created {path} with tables orders, jobs, dead_jobs.\n")
 
     # One request: the order and its follow-up work commit together.

@@ -115,3 +115,12 @@ def test_a_list_cut_by_its_limit_says_so(db: Database) -> None:
     assert "2 dead job(s), latest failure first (only the first 2: more match" in dead.stdout, dead.stdout
     every = run_cli("dead", "list", "--limit", "3", *APP, env=db.env())
     assert "3 dead job(s)" in every.stdout and "more match" not in every.stdout, every.stdout
+
+
+def test_demo_on_a_path_it_cannot_create_names_the_path(tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "such" / "dir" / "x.db"
+    result = run_cli("demo", "--db", str(missing), env=clean_env())
+    assert_clean_error(result, 2, f"--db {missing}", f"the folder {missing.parent} does not exist")
+    folder = run_cli("demo", "--db", str(tmp_path), env=clean_env())
+    assert_clean_error(folder, 2, f"--db {tmp_path}: that is a folder")
+    assert not missing.parent.exists()
