@@ -124,3 +124,35 @@ def test_demo_on_a_path_it_cannot_create_names_the_path(tmp_path: Path) -> None:
     folder = run_cli("demo", "--db", str(tmp_path), env=clean_env())
     assert_clean_error(folder, 2, f"--db {tmp_path}: that is a folder")
     assert not missing.parent.exists()
+
+
+def test_a_requeue_is_in_the_history_dead_show_and_jobs_show_print(db: Database) -> None:
+    from tests.dashboard_helpers import client, kill
+    from tests.helpers import run_burst
+
+    [job_id] = kill(db, message="smtp down")
+    retried = run_cli("dead", "retry", str(job_id), *APP, env=db.env())
+    assert retried.returncode == 0, retried.stderr
+    shown = run_cli("jobs", "show", str(job_id), *APP, env=db.env())
+    assert "requeued from the dead-letter table: attempts start again from 1" in shown.stdout, shown.stdout
+    run_burst(db.engine)  # it fails its one attempt again: dead again
+    history = run_cli("dead", "show", str(job_id), *APP, env=db.env())
+    assert history.returncode == 0, history.stderr
+    after = history.stdout.split("errors (3):\n", 1)
+    assert len(after) == 2, history.stdout
+    lines = [ln.strip() for ln in after[1].splitlines() if ln.strip()]
+    assert len(lines) == 3, history.stdout
+    assert lines[0].startswith("attempt 1 at ") and "smtp down" in lines[0]
+    assert lines[1].startswith("at ") and "requeued from the dead-letter table" in lines[1]
+    assert lines[2].startswith("attempt 1 at ") and "smtp down" in lines[2]
+    page = client(db).get(f"/jobs/{job_id}").text  # the dashboard's job page: the same history
+    assert "requeued from the dead-letter table" in page and "attempt None" not in page
+
+
+def test_the_docs_speak_to_the_reader_and_name_versions_right() -> None:
+    docs = ROOT / "docs"
+    for page in docs.rglob("*.md"):
+        assert "the article this project started from" not in page.read_text(), page
+    migrations = (docs / "howto" / "migrations.md").read_text()
+    assert "After 0.1, [unique jobs]" not in migrations  # 0.1.0 has the unique columns
+    assert "Tables created by 0.1.0 have everything for [unique jobs]" in migrations

@@ -33,7 +33,8 @@ def test_requeue_one_by_id_resets_attempts_and_keeps_history(db: Database) -> No
     assert row.payload == {"message": "disk full"}
     assert row.last_error is not None
     assert row.last_error.startswith("ValueError: disk full\n[requeued from the dead-letter table at ")
-    assert [e["attempt"] for e in row.errors or []] == [1, 2]
+    assert [e["attempt"] for e in row.errors or []] == [1, 2, None]  # the requeue is in the history too
+    assert (row.errors or [])[-1]["error"] == "requeued from the dead-letter table: attempts start again from 1"
     assert dead(db.engine, first) is None
     assert dead(db.engine, second) is not None  # the other one stays dead
 
@@ -44,7 +45,9 @@ def test_requeued_job_runs_again_and_history_grows(db: Database) -> None:
     run_burst(db.engine)
     row = dead(db.engine, job_id)  # it failed twice more, so it is dead again, with all four failures
     assert row is not None and row.attempts == 2
-    assert [e["attempt"] for e in row.errors or []] == [1, 2, 1, 2]
+    # ... and the requeue between them, so the second 1, 2 is not read as the first one twice
+    assert [e["attempt"] for e in row.errors or []] == [1, 2, None, 1, 2]
+    assert "requeued from the dead-letter table" in (row.errors or [])[2]["error"]
 
 
 def test_requeued_job_can_succeed(db: Database) -> None:

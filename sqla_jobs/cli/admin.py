@@ -215,8 +215,9 @@ def _show(row: Any, state: str, as_json: bool) -> None:
         shown = "" if value is None and key != "payload" else json.dumps(value, indent=2, default=str)
         print(f"{key:<{width}}  {shown}")
     print(f"errors ({len(errors)}):" if errors else "errors: none")
-    for entry in errors:
-        print(f"  attempt {entry.get('attempt')} at {entry.get('at')}: {entry.get('error')}")
+    for entry in errors:  # an entry without an attempt is an event between attempts: a requeue
+        what = "" if entry.get("attempt") is None else f"attempt {entry.get('attempt')} "
+        print(f"  {what}at {entry.get('at')}: {entry.get('error')}")
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> int:

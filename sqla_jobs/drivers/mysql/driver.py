@@ -58,7 +58,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.elements import ColumnElement
 
-from .._operations import truncate, utcnow
+from .._operations import requeued_errors, truncate, utcnow
 from ..base import DEAD_COLUMNS, Claimed, DatabaseNow, Driver, Fence, IndexDefinition, run_times_in_python
 from .stats import MySQLStats
 
@@ -374,14 +374,15 @@ class MySQLDriver(MySQLStats, Driver):
         if not rows:
             return []
         conn.execute(delete(d).where(d.c.id.in_([r.id for r in rows])))
-        note = f"requeued from the dead-letter table at {utcnow()}"
+        note, when = "requeued from the dead-letter table", utcnow()
         conn.execute(
             insert(t),
             [
                 {
                     "id": r.id, "kind": r.kind, "queue": r.queue, "payload": r.payload, "priority": r.priority,
                     "attempts": 0, "max_attempts": r.max_attempts, "created_at": r.created_at, "state": "pending",
-                    "last_error": truncate(f"{r.last_error}\n[{note}]"), "errors": r.errors,
+                    "last_error": truncate(f"{r.last_error}\n[{note} at {when}]"),
+                    "errors": requeued_errors(r.errors, note),
                 }
                 for r in rows
             ],
