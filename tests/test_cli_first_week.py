@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import app
 from tests.conftest import ROOT, Database, run_cli
 from tests.helpers import enqueue, job
 from tests.test_cli import APP, assert_clean_error, clean_env
@@ -156,3 +157,55 @@ def test_the_docs_speak_to_the_reader_and_name_versions_right() -> None:
     migrations = (docs / "howto" / "migrations.md").read_text()
     assert "After 0.1, [unique jobs]" not in migrations  # 0.1.0 has the unique columns
     assert "Tables created by 0.1.0 have everything for [unique jobs]" in migrations
+
+
+PRINTING_APP = EMPTY_APP.replace("# the handlers live in a module nobody imports", "") + '''
+
+@queue.handler("shout")
+def shout(payload: dict) -> None:
+    print("x" * 20_000, flush=True)  # a handler's own output, more than a pipe holds
+'''
+
+
+def test_a_handlers_print_into_a_closed_pipe_fails_no_job(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    (tmp_path / "printing_app.py").write_text(PRINTING_APP)
+    env = clean_env(PYTHONPATH=f"{ROOT}{os.pathsep}{tmp_path}", SQLA_JOBS_URL=f"sqlite:///{tmp_path / 'p.db'}",
+                    SQLA_JOBS_APP="printing_app:queue")
+    assert run_cli("create-tables", env=env).returncode == 0
+    enqueue_code = ("from sqlalchemy import create_engine\nfrom sqlalchemy.orm import Session\n"
+                    "from printing_app import Job\n"
+                    f"engine = create_engine('sqlite:///{tmp_path / 'p.db'}')\n"
+                    "with Session(engine) as s, s.begin():\n    s.add_all([Job(kind='shout', payload={}) "
+                    "for _ in range(5)])\n")
+    assert subprocess.run([sys.executable, "-c", enqueue_code], env=env, cwd=tmp_path).returncode == 0
+    # `sqla-jobs worker --burst | head -c 0`: the reader is gone before the first job runs.
+    worker = subprocess.Popen([sys.executable, "-m", "sqla_jobs.cli", "worker", "--burst"], env=env, cwd=tmp_path,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert worker.stdout is not None
+    worker.stdout.close()
+    _, err = worker.communicate(timeout=120)
+    assert worker.returncode == 0, err
+    assert "BrokenPipeError" not in err, err
+    assert "handlers' output is discarded" in err
+    listed = run_cli("jobs", "list", "--json", env=env)
+    assert [row["state"] for row in json.loads(listed.stdout)] == ["finished"] * 5, listed.stdout
+
+
+def test_one_flag_picks_the_workers_lanes_and_the_docs_say_so(db: Database) -> None:
+    # The decision of issue 30 #15: `--queue NAME` is the flag; `--queues a,b` is its shorthand, same result.
+    glossary = (ROOT / "docs" / "glossary.md").read_text()
+    assert "lanes are chosen with one flag, `--queue NAME`" in glossary
+    assert "`--queues a,b` is a\n  shorthand for `--queue a --queue b`" in glossary
+    cli = (ROOT / "docs" / "reference" / "cli.md").read_text()
+    assert "a shorthand for `--queue Q1 --queue Q2`" in cli and "the worker's lanes" in cli
+    for flags in (["--queue", "mail", "--queue", "reports"], ["--queues", "mail,reports"]):
+        ids = {q: enqueue(db.engine, "noop", queue=q) for q in ("mail", "reports", "other")}
+        result = run_cli("worker", "--burst", *flags, *APP, env=db.env())
+        assert result.returncode == 0, result.stderr
+        states = {q: job(db.engine, i).state for q, i in ids.items()}  # type: ignore[union-attr]
+        assert states == {"mail": "finished", "reports": "finished", "other": "pending"}, (flags, states)
+        with db.engine.begin() as conn:  # the next round starts from an empty table
+            conn.execute(app.Job.__table__.delete())

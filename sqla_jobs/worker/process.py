@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,9 +42,39 @@ class WorkerProcess:
     asynchronous: bool = False  # AsyncWorker on the URL's async driver (--async, or an async URL)
 
 
+class _ForgivingStdout:
+    """``sys.stdout`` for handlers: once its reader is gone (``sqla-jobs worker | head``), their ``print()``
+    output goes nowhere (one warning) instead of failing every job with ``BrokenPipeError``."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def _gone(self) -> None:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self._stream.fileno())  # what is still buffered goes too
+        log.warning("the worker's standard output was closed by its reader: handlers' output is discarded")
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self._stream.write(text))
+        except BrokenPipeError:
+            self._gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._gone()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
 def run_worker_process(spec: WorkerProcess, engine: Engine | None = None) -> int:
     """Run one worker until it stops; its exit status."""
     queue = load_worker_app(spec.app)
+    if sys.stdout is not None and not isinstance(sys.stdout, _ForgivingStdout):
+        sys.stdout = _ForgivingStdout(sys.stdout)  # type: ignore[assignment]
     if spec.asynchronous:
         return asyncio.run(_run_async(spec, queue))
     if engine is None:
