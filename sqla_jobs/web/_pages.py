@@ -105,7 +105,7 @@ def series_json(request: Request) -> Response:
     site = _site(request)
     span = SPANS.get(request.query_params.get("span", "hour"), SPANS["hour"])
     site.maybe_sample()
-    return JSONResponse(_samples.series(site.engine, site.queue, span))
+    return JSONResponse(_samples.series(site.engine, site.queue, span, site.sample_interval))
 
 
 def _filters(request: Request) -> dict[str, Any]:

@@ -125,27 +125,42 @@ def record_sample(
     return len(rows)
 
 
-def series(engine: Engine, queue: JobQueue[Any, Any], span: float) -> dict[str, Any]:
+def series(
+    engine: Engine, queue: JobQueue[Any, Any], span: float, interval: float = SAMPLE_INTERVAL
+) -> dict[str, Any]:
     """The samples of the last ``span`` seconds as chart data.
 
-    ``{"times": [unix seconds...], "series": {name: {label: [value or None, ...]}}}``,
+    ``{"times": [unix seconds...], "series": {name: {label: [value or None, ...]}}, "from": t, "to": t}``,
     at most ``_MAX_POINTS`` columns: the span is cut into that many buckets and
     each point is the largest sample in its bucket, so a spike stays visible
-    when a day is drawn (a bucket without a sample is left out).
+    when a day is drawn. Where no sample was written for longer than two sample
+    ``interval``s (nobody looked, the dashboard was down), a point of ``None``
+    values marks the gap, so a chart shows it instead of a straight line across.
+    ``from``/``to``: the time axis, from the first sample (or the span's start,
+    if the samples are older) to now, and never shorter than a minute.
     """
     table = samples_table(queue)
     step = span / _MAX_POINTS
+    now = time.time()
     with engine.connect() as conn:
         if not inspect(conn).has_table(table.name, schema=table.schema):
-            return {"times": [], "series": {}}
+            return {"times": [], "series": {}, "from": round(now - span), "to": round(now)}
         rows = sql_dashboard.read_samples(queue.driver(conn), conn, table, span, step)
-    now = time.time()
     by_bucket: dict[int, dict[tuple[str, str], float]] = defaultdict(dict)
     for bucket, name, label, value in rows:
         by_bucket[int(bucket)][(name, label)] = float(value)
     buckets = sorted(by_bucket, reverse=True)  # the oldest (largest age) first
     keys = sorted({key for b in buckets for key in by_bucket[b]})
+    columns: list[tuple[float, dict[tuple[str, str], float]]] = []
+    gap = 2 * max(step, interval)
+    for b in buckets:
+        at = now - b * step
+        if columns and at - columns[-1][0] > gap:
+            columns.append(((at + columns[-1][0]) / 2, {}))  # no sample here: a gap, every value None
+        columns.append((at, by_bucket[b]))
     out: dict[str, dict[str, list[float | None]]] = defaultdict(dict)
     for name, label in keys:
-        out[name][label] = [by_bucket[b].get((name, label)) for b in buckets]
-    return {"times": [round(now - b * step) for b in buckets], "series": out}
+        out[name][label] = [values.get((name, label)) for _, values in columns]
+    start = max(now - span, columns[0][0]) if columns else now - span
+    return {"times": [round(at) for at, _ in columns], "series": out,
+            "from": round(min(start, now - 60)), "to": round(now)}

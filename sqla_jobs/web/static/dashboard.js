@@ -6,8 +6,11 @@
   if (!root || typeof uPlot === "undefined") { return; }
   var colours = ["#1d3557", "#e63946", "#2a9d8f", "#f4a261", "#6d597a", "#457b9d", "#8ab17d", "#b5838d"];
   var plots = {};
+  var axis = { from: null, to: null };  // the time axis of the latest data: first sample (or window start) to now
+  root.plots = plots;  // for the browser tests
 
   function draw(data) {
+    axis.from = data.from; axis.to = data.to;
     root.querySelectorAll(".chart").forEach(function (el) {
       var name = el.getAttribute("data-series");
       var lines = (data.series || {})[name] || {};
@@ -23,11 +26,15 @@
       if (plots[name]) { plots[name].destroy(); }
       el.textContent = "";
       var series = [{}].concat(labels.map(function (l, i) {
-        return { label: l || name, stroke: colours[i % colours.length], width: 2, spanGaps: true };
+        // A null value is a period without samples: drawn as a gap, not a straight line across it.
+        return { label: l || name, stroke: colours[i % colours.length], width: 2, spanGaps: false };
       }));
       var plot = new uPlot({ width: Math.max(300, el.clientWidth), height: 200, series: series,
-                             axes: [{}, { size: 60 }], scales: { y: { range: function (u, min, max) {
-                               return [0, Math.max(1, max * 1.1)]; } } } }, columns, el);
+                             axes: [{}, { size: 60 }], scales: {
+                               x: { time: true, range: function (u, min, max) {
+                                 return axis.from === null ? [min, max] : [axis.from, axis.to]; } },
+                               y: { range: function (u, min, max) { return [0, Math.max(1, max * 1.1)]; } } } },
+                           columns, el);
       plot.key = key;
       plots[name] = plot;
     });
