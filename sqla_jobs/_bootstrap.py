@@ -20,7 +20,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
 from ._app import JobQueue
-from .drivers import driver_class, normalise_url
+from .drivers import driver_class, driver_class_of, normalise_url
 from .errors import ConfigError, ConnectionProblem, SchemaError
 
 __all__ = ["database_url", "is_async_url", "load_app", "load_worker_app", "make_async_engine", "make_engine",
@@ -154,7 +154,7 @@ def sync_engine_for(bind: Any) -> Engine:
     sync = getattr(bind, "sync_engine", None)
     if not isinstance(sync, Engine):
         raise ConfigError(f"expected a SQLAlchemy Engine or AsyncEngine, got {type(bind).__name__}")
-    url = driver_class(sync.dialect.name).sync_url(sync.url)
+    url = driver_class_of(sync).sync_url(sync.url)
     try:
         return create_engine(url)
     except (NoSuchModuleError, ImportError) as exc:

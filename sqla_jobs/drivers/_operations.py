@@ -28,10 +28,11 @@ def truncate(message: str) -> str:
     return message[: MAX_ERROR_LENGTH - 15] + "… [truncated]"
 
 
-def requeued_errors(errors: list[dict[str, Any]] | None, note: str) -> list[dict[str, Any]]:
+def requeued_errors(errors: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """A requeued job's error history: its failures so far and an entry for the requeue (no attempt number),
     so the attempts after it, which count from 1 again, are not read as the same attempts twice."""
-    return [*(errors or []), {"attempt": None, "at": utcnow(), "error": f"{note}: attempts start again from 1"}]
+    note = "requeued from the dead-letter table: attempts start again from 1"
+    return [*(errors or []), {"attempt": None, "at": utcnow(), "error": note}]
 
 
 #: ``last_error`` and each entry of ``errors`` keep at most this many characters.
@@ -115,8 +116,7 @@ class Operations:
         rows = list(conn.execute(stmt.returning(*d.c)))
         if not rows:
             return []
-        note = "requeued from the dead-letter table"
-        when = utcnow()
+        note = f"requeued from the dead-letter table at {utcnow()}"
         conn.execute(
             insert(t),
             [
@@ -130,8 +130,8 @@ class Operations:
                     "max_attempts": r.max_attempts,
                     "created_at": r.created_at,
                     "state": "pending",
-                    "last_error": truncate(f"{r.last_error}\n[{note} at {when}]"),
-                    "errors": requeued_errors(r.errors, note),
+                    "last_error": truncate(f"{r.last_error}\n[{note}]"),
+                    "errors": requeued_errors(r.errors),
                 }
                 for r in rows
             ],

@@ -374,15 +374,14 @@ class MySQLDriver(MySQLStats, Driver):
         if not rows:
             return []
         conn.execute(delete(d).where(d.c.id.in_([r.id for r in rows])))
-        note, when = "requeued from the dead-letter table", utcnow()
+        note = f"requeued from the dead-letter table at {utcnow()}"
         conn.execute(
             insert(t),
             [
                 {
                     "id": r.id, "kind": r.kind, "queue": r.queue, "payload": r.payload, "priority": r.priority,
                     "attempts": 0, "max_attempts": r.max_attempts, "created_at": r.created_at, "state": "pending",
-                    "last_error": truncate(f"{r.last_error}\n[{note} at {when}]"),
-                    "errors": requeued_errors(r.errors, note),
+                    "last_error": truncate(f"{r.last_error}\n[{note}]"), "errors": requeued_errors(r.errors),
                 }
                 for r in rows
             ],
