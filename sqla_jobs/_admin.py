@@ -31,6 +31,9 @@ from ._unique import PERIOD_UNIQUE_STATES, Enqueued, check_key, period_key
 from .drivers import Driver
 from .errors import ConfigError, JobStateError, NotFound
 
+if TYPE_CHECKING:
+    from ._registry import Handler
+
 __all__ = ["Admin"]
 
 J = TypeVar("J", bound=JobMixin)
@@ -46,6 +49,7 @@ class Admin(Generic[J]):
     job_model: type[J]
 
     if TYPE_CHECKING:  # provided by JobQueue (sqla_jobs._app) and its registry half
+        handlers: dict[str, Handler]
 
         def driver(self, bind: Engine | Connection) -> Driver: ...
 

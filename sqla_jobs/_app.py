@@ -36,7 +36,6 @@ handlers.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -98,8 +97,9 @@ class JobQueue(Registry, Admin[J], Generic[J, D]):
 
     def dashboard(self, engine: Engine, **options: Any) -> Any:
         """The web dashboard for this app, an ASGI app to mount (``sqla-jobs[web]``; see sqla_jobs.web)."""
-        # The web package builds on this class, so it is loaded by name when asked for, not imported
-        # here: that keeps the dependency one way (web -> app), and Starlette (an extra) out of
-        # every process that never serves the dashboard.
-        web = importlib.import_module("sqla_jobs.web")
-        return web.dashboard(engine, self, **options)
+        # Imported when asked for: Starlette (an extra) stays out of every process that never serves the
+        # dashboard. The web package is written against the operations half (_admin.Admin), never this
+        # class, so the dependency runs one way (app -> web -> _admin) with no circle.
+        from .web import dashboard
+
+        return dashboard(engine, self, **options)

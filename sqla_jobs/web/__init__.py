@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
-from .._app import JobQueue
+from .._admin import Admin
 from .._bootstrap import sync_engine_for
 from ..errors import ConfigError
 from ._samples import KEEP, SAMPLE_INTERVAL, record_sample, samples_table
@@ -38,7 +38,7 @@ __all__ = ["dashboard", "record_sample", "samples_table"]
 
 def dashboard(
     engine: Engine | AsyncEngine,
-    queue: JobQueue[Any, Any],
+    queue: Admin[Any],
     *,
     actions: bool = False,
     token: str | None = None,
@@ -52,7 +52,10 @@ def dashboard(
     keep: float = KEEP,
     record_samples: bool = True,
 ) -> Starlette:
-    """The dashboard as an ASGI app for ``engine``'s tables of ``queue``.
+    """The dashboard as an ASGI app for ``engine``'s tables of ``queue``, your ``JobQueue``.
+
+    (Typed as its operations half, ``Admin``, which is all the dashboard uses: so the web package never
+    imports the app's module, and ``JobQueue.dashboard`` can import this one.)
 
     ``engine``: a sync ``Engine`` or the ``AsyncEngine`` of an async app (the dashboard then
     reads and writes through a sync engine on the same database, its URL's sync twin:

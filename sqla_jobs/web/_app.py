@@ -14,7 +14,7 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from .._app import JobQueue
+from .._admin import Admin
 from ..errors import ConfigError
 from . import _actions, _pages
 from ._samples import KEEP, SAMPLE_INTERVAL
@@ -25,7 +25,7 @@ __all__ = ["build"]
 
 def build(
     engine: Engine,
-    queue: JobQueue[Any, Any],
+    queue: Admin[Any],
     *,
     actions: bool = False,
     token: str | None = None,

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.templating import Jinja2Templates
 
-from .._app import JobQueue
+from .._admin import Admin
 from .._durations import format_duration, parse_duration
 from .._models import STATES
 from ..drivers import _dashboard as sql_dashboard
@@ -34,7 +34,7 @@ class Site:
     """Everything a request handler needs: the database, the queue, the policy, the templates."""
 
     engine: Engine
-    queue: JobQueue[Any, Any]
+    queue: Admin[Any]
     guard: Guard
     templates: Jinja2Templates
     title: str = "sqla-jobs"

@@ -45,7 +45,7 @@ from sqlalchemy import (
     text,
 )
 
-from .._app import JobQueue
+from .._admin import Admin
 from .._bootstrap import sync_engine_for
 from .._companion import companion_table
 from ..drivers import _dashboard as sql_dashboard
@@ -57,7 +57,7 @@ KEEP = 2 * 86400.0
 _MAX_POINTS = 360  # a chart needs no more points than it has pixels to spare
 
 
-def samples_table(queue: JobQueue[Any, Any], metadata: MetaData | None = None) -> Table:
+def samples_table(queue: Admin[Any], metadata: MetaData | None = None) -> Table:
     """The samples table of ``queue``'s jobs table: ``<jobs table>_samples``, in the jobs table's schema.
 
     Declare it in your own metadata, next to your models, with
@@ -75,7 +75,7 @@ def samples_table(queue: JobQueue[Any, Any], metadata: MetaData | None = None) -
     ])
 
 
-def due(engine: Engine, queue: JobQueue[Any, Any], interval: float = SAMPLE_INTERVAL) -> bool:
+def due(engine: Engine, queue: Admin[Any], interval: float = SAMPLE_INTERVAL) -> bool:
     """Whether the latest sample is older than ``interval`` seconds (or there is none)."""
     table = samples_table(queue)
     with engine.connect() as conn:
@@ -86,7 +86,7 @@ def due(engine: Engine, queue: JobQueue[Any, Any], interval: float = SAMPLE_INTE
 
 
 def record_sample(
-    engine: Engine | Any, queue: JobQueue[Any, Any], *, interval: float = SAMPLE_INTERVAL, keep: float = KEEP
+    engine: Engine | Any, queue: Admin[Any], *, interval: float = SAMPLE_INTERVAL, keep: float = KEEP
 ) -> int:
     """Write one sample of the figures now and prune samples older than ``keep`` seconds; returns rows written.
 
@@ -126,7 +126,7 @@ def record_sample(
 
 
 def series(
-    engine: Engine, queue: JobQueue[Any, Any], span: float, interval: float = SAMPLE_INTERVAL
+    engine: Engine, queue: Admin[Any], span: float, interval: float = SAMPLE_INTERVAL
 ) -> dict[str, Any]:
     """The samples of the last ``span`` seconds as chart data.
 
