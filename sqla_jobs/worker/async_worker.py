@@ -10,14 +10,14 @@ or ``sqla-jobs worker --async`` (picked by itself for an async URL such as
 ``postgresql+psycopg_async://`` or ``sqlite+aiosqlite://``).
 
 It keeps every decision of the threaded worker by running the same control
-loop (``_control.Control``) and the same ``Store``, and replaces what touches
+loop (``control.Control``) and the same ``Store``, and replaces what touches
 threads and the database connection (docs/development.md, "The worker's parts"):
 
 * the control loop runs in a greenlet on the event loop (SQLAlchemy's bridge,
   what ``AsyncConnection.run_sync`` does): each statement of ``Store`` and the
   driver is awaited on the async driver, so handler tasks run whenever the loop
   waits on the database, and the loop's sleep (``AsyncWake.wait``) awaits too;
-* ``_aio_executor.AsyncExecutor`` runs each job as a task (``async def``
+* ``async_executor.AsyncExecutor`` runs each job as a task (``async def``
   handlers natively, plain ones on threads), with timeouts, cancel
   requests and lost leases delivered by cancelling the task;
 * the wake-up is ``AsyncWake``, an event the control greenlet awaits and any
@@ -53,13 +53,13 @@ from ..drivers import driver_class
 from ..drivers.base import Driver
 from ..errors import ConfigError
 from ..leader import Leadership
-from . import signals as _signals
 from .async_executor import AsyncExecutor
 from .async_wake import AsyncWake
 from .config import WorkerConfig, check_pool, split_queues
 from .control import Control
 from .maintenance import Maintenance
 from .outage import database_key
+from .signals import StopSignals, installed_stop_signals, release_stop_signals, stop_signals
 from .store import Store
 from .vacuum import Vacuumer
 
@@ -164,8 +164,8 @@ class AsyncWorker:
                                           self._maintenance)
         control.pause = wake.sleep
         control.stopping = self._stop_asked
-        had_signals = _signals.current() is not None
-        signals = _signals.stop_signals() if install_signals else None
+        had_signals = installed_stop_signals() is not None
+        signals = stop_signals() if install_signals else None
         task = loop.create_task(greenlet_spawn(self._run_in_greenlet, burst, executor, signals))
         try:
             try:
@@ -178,7 +178,7 @@ class AsyncWorker:
                 raise  # the cancellation goes on once the worker stopped
         finally:
             if signals is not None and not had_signals:
-                _signals.release_stop_signals()
+                release_stop_signals()
             if sync_engine is not None:
                 sync_engine.dispose()
         log.info("worker %s stopped after %d job attempts", self.name, self.processed)
@@ -200,7 +200,7 @@ class AsyncWorker:
         self.driver.harden(engine, self.name)
         return engine
 
-    def _run_in_greenlet(self, burst: bool, executor: AsyncExecutor, signals: _signals.StopSignals | None) -> None:
+    def _run_in_greenlet(self, burst: bool, executor: AsyncExecutor, signals: StopSignals | None) -> None:
         """``Worker.run``'s body: every database call in it is awaited on the loop (see the module docstring)."""
         control = self._control
         assert control is not None

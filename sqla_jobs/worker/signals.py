@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["StopSignals", "current", "release_stop_signals", "stop_signals"]
+__all__ = ["StopSignals", "installed_stop_signals", "release_stop_signals", "stop_signals"]
 
 log = logging.getLogger("sqla_jobs.worker")
 
@@ -119,7 +119,7 @@ if hasattr(os, "register_at_fork"):  # POSIX
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def current() -> StopSignals | None:
+def installed_stop_signals() -> StopSignals | None:
     """The StopSignals installed in this process, if any."""
     return _installed
 

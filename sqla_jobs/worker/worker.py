@@ -14,12 +14,12 @@ gets that many threads of its own (``concurrency`` is their sum): a queue full
 of slow jobs never delays another, and each queue is claimed in batches.
 The parts (docs/development.md, "The worker's parts"):
 
-* ``_worker_config.WorkerConfig``: the settings, checked once, and the pool rule;
-* ``_control.Control``: the control loop, decisions only;
-* ``_store.Store``: every read and write the loop asks for, through the driver;
-* ``_executor.Executor``: the handler threads, job context, transactional handlers;
+* ``config.WorkerConfig``: the settings, checked once, and the pool rule;
+* ``control.Control``: the control loop, decisions only;
+* ``store.Store``: every read and write the loop asks for, through the driver;
+* ``executor.Executor``: the handler threads, job context, transactional handlers;
 * the driver's ``listener`` (PostgreSQL LISTEN/NOTIFY, ``drivers/postgresql/listen.py``);
-* ``_signals``: SIGTERM / SIGINT; ``_supervisor``: ``--processes``.
+* ``signals``: SIGTERM / SIGINT; ``supervisor``: ``--processes``.
 
 The control loop, on each turn:
 
@@ -79,12 +79,12 @@ from .._app import JobQueue
 from .._periodic import Scheduler
 from ..drivers.base import Driver
 from ..leader import Leadership
-from . import signals as _signals
 from .config import WorkerConfig, check_pool, split_queues
 from .control import Control
 from .executor import Executor
 from .maintenance import Maintenance
 from .outage import database_key
+from .signals import installed_stop_signals, release_stop_signals, stop_signals
 from .store import Store
 from .vacuum import Vacuumer
 
@@ -186,8 +186,8 @@ class Worker:
         the worker gracefully and a second one exits at once; the handlers that
         were there before are restored when ``run`` returns.
         """
-        had_signals = _signals.current() is not None
-        signals = _signals.stop_signals() if install_signals else None
+        had_signals = installed_stop_signals() is not None
+        signals = stop_signals() if install_signals else None
         try:
             self._store.prepare(self.listen, self.config.poll_interval)
             if self.config.leader and not burst:  # a burst worker keeps its own upkeep: it is gone soon
@@ -226,7 +226,7 @@ class Worker:
                 self._executor.shutdown()
         finally:
             if signals is not None and not had_signals:
-                _signals.release_stop_signals()
+                release_stop_signals()
         log.info("worker %s stopped after %d job attempts", self.name, self.processed)
         return 0
 
