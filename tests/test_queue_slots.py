@@ -112,7 +112,7 @@ def test_bad_slots_in_python(db: Database) -> None:
     with pytest.raises(ConfigError, match=r"concurrency \(2\) must be the sum"):
         Worker(db.engine, queue, queues={"a": 2, "b": 1}, concurrency=2)
     worker = Worker(db.engine, queue, queues={"a": 2, "b": 1})
-    assert (worker.concurrency, worker.queues, worker.config.slots) == (3, ("a", "b"), {"a": 2, "b": 1})
+    assert (worker.config.concurrency, worker.config.queues, worker.config.slots) == (3, ("a", "b"), {"a": 2, "b": 1})
 
 
 def test_a_job_that_must_run_alone_runs_alone_with_slots(db: Database) -> None:

@@ -74,7 +74,7 @@ def create_app(database_url: str, *, run_worker: bool = False) -> FastAPI:
         yield
         if worker is not None:
             worker.stop()  # unfinished jobs go back to pending for the next worker
-            thread.join(timeout=worker.grace + 5)
+            thread.join(timeout=worker.config.grace + 5)
         engine.dispose()
 
     app = FastAPI(lifespan=lifespan)

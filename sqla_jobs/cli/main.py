@@ -67,22 +67,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         raise ConfigError("--processes must be at least 1")
     if args.queue and args.queues:
         raise ConfigError("give queues with --queue (repeatable) or --queues, not both")
-    named = parse_queue_options(args.queue) if args.queue else (args.queues.split(",") if args.queues else None)
-    concurrency, names, slots = split_queues(named, args.concurrency)
-    config = WorkerConfig(  # checked before connecting, so an error is about the option
-        concurrency=concurrency,
-        queues=names,
-        queue_slots=slots,
-        lease=args.lease,
-        heartbeat=args.heartbeat,
-        poll_interval=args.poll_interval,
-        grace=args.grace,
-        listen=not args.no_listen,
-        name=args.name,
-        prune_after=parse_duration(args.prune_finished_older_than) if args.prune_finished_older_than else None,
-        vacuum_dead_rows=args.vacuum_dead_rows,
-        leader=not args.no_leader,
-    )
+    config = worker_config(args)  # checked before connecting, so an error is about the option
     asynchronous = args.use_async or is_async_url(args.url)
     spec = WorkerProcess(args.app, args.url, config, burst=args.burst, metrics_port=args.metrics_port,
                          metrics_addr=args.metrics_addr, log_level=args.log_level, asynchronous=asynchronous)
@@ -95,6 +80,27 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine.dispose()
     child = spec if asynchronous else replace(spec, url=engine.url.render_as_string(hide_password=False))
     return supervise(child, args.processes, queue, engine, args.name)
+
+
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """``sqla-jobs worker``'s options as the worker's settings; an option left out has ``WorkerConfig``'s default."""
+    named = parse_queue_options(args.queue) if args.queue else (args.queues.split(",") if args.queues else None)
+    concurrency, names, slots = split_queues(named, args.concurrency)
+    return WorkerConfig(
+        concurrency=concurrency,
+        queues=names,
+        queue_slots=slots,
+        lease=args.lease,
+        heartbeat=args.heartbeat,
+        poll_interval=args.poll_interval,
+        grace=args.grace,
+        listen=not args.no_listen,
+        name=args.name,
+        prune_after=(parse_duration(args.prune_finished_older_than) if args.prune_finished_older_than
+                     else WorkerConfig.prune_after),
+        vacuum_dead_rows=args.vacuum_dead_rows,
+        leader=not args.no_leader,
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -201,19 +207,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="claim and run jobs until stopped")
     _common(p)
+    # Each worker option's default is WorkerConfig's field (read here, never written again), and its help
+    # shows it: the formatter adds "(default: ...)" to any option whose help does not name one.
     p.add_argument("--concurrency", type=int, default=None,
-                   help="handler threads (default 4; with --queue NAME=SLOTS, the sum of the slots)")
+                   help=f"handler threads (default {WorkerConfig.concurrency}; with --queue NAME=SLOTS, "
+                        "the sum of the slots)")
     p.add_argument("--burst", action="store_true", help="run every due job, then exit 0")
     p.add_argument("--queue", action="append", metavar="NAME[=SLOTS]",
                    help="take jobs from this queue (repeat for more); NAME=SLOTS gives the queue SLOTS threads "
                         "of its own, so a busy queue never delays another (default: every queue, shared threads)")
     p.add_argument("--queues", help="comma-separated queue names to take jobs from (default: all)")
-    p.add_argument("--lease", type=_positive(float), default=60.0,
+    p.add_argument("--lease", type=_positive(float), default=WorkerConfig.lease,
                    help="seconds a claim lasts without a heartbeat")
-    p.add_argument("--heartbeat", type=_positive(float), default=None,
+    p.add_argument("--heartbeat", type=_positive(float), default=WorkerConfig.heartbeat,
                    help="seconds between heartbeats (default lease/3)")
-    p.add_argument("--poll-interval", type=_positive(float), default=1.0, help="seconds between polls when idle")
-    p.add_argument("--grace", type=_not_negative, default=30.0, help="seconds running jobs get to finish on SIGTERM")
+    p.add_argument("--poll-interval", type=_positive(float), default=WorkerConfig.poll_interval,
+                   help="seconds between polls when idle")
+    p.add_argument("--grace", type=_not_negative, default=WorkerConfig.grace,
+                   help="seconds running jobs get to finish on SIGTERM")
     p.add_argument("--no-listen", action="store_true", help="poll only (e.g. behind PgBouncer)")
     p.add_argument("--async", dest="use_async", action="store_true",
                    help="the async worker: async def handlers on one event loop, --concurrency of them at once, "
@@ -222,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every worker reaps and prunes, instead of one elected worker (sqla_jobs.leader)")
     p.add_argument("--processes", type=int, default=1,
                    help="worker processes, each with --concurrency threads (default 1)")
-    p.add_argument("--name", default=None,
+    p.add_argument("--name", default=WorkerConfig.name,
                    help="worker name shown in locked_by and logs; {pid} becomes the process id "
                         "(default HOST:PID:RANDOM; with --processes, each gets NAME:PID:RANDOM)")
     p.add_argument("--metrics-port", type=int, default=None,
@@ -231,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prune-finished-older-than", metavar="AGE",
                    help="also delete finished/cancelled jobs older than AGE (e.g. 7d); one worker at a time. "
                         "0: keep no finished jobs, each deleted as it finishes (faster)")
-    p.add_argument("--vacuum-dead-rows", type=_positive(int), default=None, metavar="N",
+    p.add_argument("--vacuum-dead-rows", type=_positive(int), default=WorkerConfig.vacuum_dead_rows, metavar="N",
                    help="PostgreSQL: VACUUM the jobs table once it holds N dead rows (e.g. 50000), for bursts "
                         "autovacuum is too slow for; one worker at a time (default: leave it to autovacuum)")
     p.set_defaults(func=cmd_worker)
@@ -272,9 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="measure enqueue, drain and pickup latency on a scratch schema or file")
     _common(p, app=False)
     p.add_argument("--jobs", type=int, default=10_000, help="jobs per measurement (default 10000)")
+    # The bench's own default, not a worker's: it measures a busy worker, which has more threads than four.
     p.add_argument("--concurrency", type=int, default=64, help="threads per worker process (default 64)")
     p.add_argument("--processes", type=int, default=2, help="worker processes for the drain (default 2)")
-    p.add_argument("--batch-size", type=_positive(int), default=None,
+    p.add_argument("--batch-size", type=_positive(int), default=WorkerConfig.batch_size,
                    help="most jobs one claim takes (default: --concurrency, as sqla-jobs worker does)")
     p.add_argument("--runs", type=int, default=3, help="repeat and report medians (default 3)")
     p.add_argument("--latency-samples", type=int, default=200,
@@ -301,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     _json_flag(p, "the figures")
     p.add_argument("--async", dest="use_async", action="store_true",
                    help="measure the async worker (sqla-jobs worker --async) with async def no-op handlers")
-    p.add_argument("--vacuum-dead-rows", type=_positive(int), default=None, metavar="N",
+    p.add_argument("--vacuum-dead-rows", type=_positive(int), default=WorkerConfig.vacuum_dead_rows, metavar="N",
                    help="the drain's workers run as `sqla-jobs worker --vacuum-dead-rows N` (PostgreSQL)")
     p.add_argument("--discard-finished", action="store_true",
                    help="the drain's workers run as `sqla-jobs worker --prune-finished-older-than 0`: each job "

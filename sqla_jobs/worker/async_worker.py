@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine, create_engine
@@ -55,7 +54,7 @@ from ..errors import ConfigError
 from ..leader import Leadership
 from .async_executor import AsyncExecutor
 from .async_wake import AsyncWake
-from .config import WorkerConfig, check_pool, split_queues
+from .config import WorkerConfig, WorkerSettings, check_pool, takes_settings
 from .control import Control
 from .maintenance import Maintenance
 from .outage import database_key
@@ -65,6 +64,7 @@ from .vacuum import Vacuumer
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
+    from typing_extensions import Unpack
 
 __all__ = ["AsyncWorker"]
 
@@ -79,32 +79,9 @@ class AsyncWorker:
     than a threaded worker's (plain handlers share a pool of that many threads).
     """
 
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        queue: JobQueue[Any, Any],
-        *,
-        concurrency: int | None = None,
-        queues: Sequence[str] | Mapping[str, int] | None = None,
-        lease: float = 60.0,
-        heartbeat: float | None = None,
-        poll_interval: float = 1.0,
-        grace: float = 30.0,
-        batch_size: int | None = None,
-        flush_interval: float = 0.002,
-        listen: bool = True,
-        name: str | None = None,
-        prune_after: float | None = None,
-        vacuum_dead_rows: int | None = None,
-        leader: bool = True,
-    ) -> None:
-        concurrency, names, slots = split_queues(queues, concurrency)
-        self._setup(engine, queue, WorkerConfig(
-            concurrency=concurrency, queues=names, queue_slots=slots, lease=lease, heartbeat=heartbeat,
-            poll_interval=poll_interval, grace=grace, batch_size=batch_size, flush_interval=flush_interval,
-            listen=listen, name=name, prune_after=prune_after,
-            vacuum_dead_rows=vacuum_dead_rows, leader=leader,
-        ))
+    @takes_settings
+    def __init__(self, engine: AsyncEngine, queue: JobQueue[Any, Any], **settings: Unpack[WorkerSettings]) -> None:
+        self._setup(engine, queue, WorkerConfig.from_settings(**settings))
 
     @classmethod
     def _from_config(cls, engine: AsyncEngine, queue: JobQueue[Any, Any], config: WorkerConfig) -> AsyncWorker:
@@ -125,8 +102,7 @@ class AsyncWorker:
         if config.discards_finished:  # delete at finish what would be pruned at once
             self.driver = self.driver.discarding_finished()
         self.name = config.worker_name
-        self.concurrency = config.concurrency
-        self.listen = config.listen and self.driver.supports_listen
+        self._listen = config.listen and self.driver.supports_listen  # asked for, and the database can
         check_pool(sync_engine, config)
         self._store = Store(sync_engine, queue, self.driver, self.name, config.lease, config.queues)
         self._maintenance = Maintenance(None)  # run() elects, unless burst or leader=False
@@ -207,7 +183,7 @@ class AsyncWorker:
         # Keepalives, timeouts, application_name (see the driver); here, as it closes the idle pooled
         # connections, and an async driver's connection closes only by awaiting.
         self.driver.harden(self._store.engine, self.name)
-        self._store.prepare(self.listen, self.config.poll_interval)
+        self._store.prepare(self._listen, self.config.poll_interval)
         if self.config.leader and not burst:  # a burst worker keeps its own upkeep: it is gone soon
             self._maintenance.leadership = Leadership(self._store.engine, self.queue, self.name,
                                                       lease=self.config.lease)
@@ -229,7 +205,7 @@ class AsyncWorker:
         # sets AsyncWake in the loop's own thread (a listener thread would cost a call_soon_threadsafe hop
         # on every pickup).
         listener = (self.driver.async_listener(self.engine, control.wake_from_database, self.name)
-                    if self.listen else None)
+                    if self._listen else None)
         if listener is not None:
             listener.start()
         log.info("worker %s started (async): %s", self.name, self.config.summary())

@@ -11,21 +11,28 @@ wait for a connection (30 s by default) and fail.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import socket
 import uuid
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar
 
 from sqlalchemy import Engine
 
 from .._bootstrap import worker_pool_size
 from ..errors import ConfigError
 
-__all__ = ["WorkerConfig", "check_pool", "parse_queue_options", "split_queues"]
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+__all__ = ["WorkerConfig", "WorkerSettings", "check_pool", "parse_queue_options", "split_queues", "takes_settings"]
 
 log = logging.getLogger("sqla_jobs.worker")
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,16 @@ class WorkerConfig:
     # Filled in by __post_init__: the heartbeat actually used and the name with its pid.
     heartbeat_every: float = field(init=False)
     worker_name: str = field(init=False)
+
+    @classmethod
+    def from_settings(cls, **settings: Unpack[WorkerSettings]) -> WorkerConfig:
+        """The config of ``Worker(engine, queue, **settings)``: what the caller left out is this class's default."""
+        unknown = sorted(settings.keys() - WorkerSettings.__annotations__.keys())
+        if unknown:  # as Python says it of any keyword a signature lacks (queue_slots is given as queues={...})
+            raise TypeError(f"got an unexpected keyword argument {unknown[0]!r}")
+        options: dict[str, Any] = dict(settings)
+        concurrency, names, slots = split_queues(options.pop("queues", None), options.pop("concurrency", None))
+        return cls(concurrency=concurrency, queues=names, queue_slots=slots, **options)
 
     @property
     def discards_finished(self) -> bool:
@@ -146,6 +163,44 @@ class WorkerConfig:
         return worker_pool_size(self.concurrency)
 
 
+class WorkerSettings(TypedDict, total=False):
+    """The keyword settings of ``Worker(...)`` and ``AsyncWorker(...)``: names and types only. Their defaults
+    are ``WorkerConfig``'s fields, and nowhere else (``takes_settings`` shows them in the signature)."""
+
+    concurrency: int | None  # None: WorkerConfig's, or with queues={name: slots} the sum of the slots
+    queues: Sequence[str] | Mapping[str, int] | None
+    lease: float
+    heartbeat: float | None
+    poll_interval: float
+    grace: float
+    batch_size: int | None
+    flush_interval: float
+    listen: bool
+    name: str | None
+    prune_after: float | None
+    vacuum_dead_rows: int | None
+    leader: bool
+
+
+#: A keyword whose default is not its field's: concurrency=None leaves it to the queues' slots, if any.
+_KEYWORD_DEFAULTS: dict[str, Any] = {"concurrency": None}
+
+
+def takes_settings(function: F) -> F:
+    """Spell out ``function``'s ``**settings`` (``WorkerSettings``) with ``WorkerConfig``'s defaults in its
+    signature, for ``help()``, ``inspect.signature`` and editors that read them; the call is unchanged."""
+    signature = inspect.signature(function)
+    head = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    defaults = {f.name: f.default for f in fields(WorkerConfig) if f.init}
+    # The module's annotations are strings (ForwardRefs in a TypedDict), as the function's own are.
+    settings = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                  annotation=getattr(annotation, "__forward_arg__", annotation),
+                                  default=_KEYWORD_DEFAULTS.get(name, defaults[name]))
+                for name, annotation in WorkerSettings.__annotations__.items()]
+    function.__signature__ = signature.replace(parameters=[*head, *settings])  # type: ignore[attr-defined]
+    return function
+
+
 def check_pool(engine: Engine, config: WorkerConfig) -> None:
     """Warn when ``engine``'s pool cannot hold what a worker with ``config`` may check out at once."""
     pool = engine.pool
@@ -171,7 +226,7 @@ def split_queues(
     """``Worker(queues=..., concurrency=...)`` as (concurrency, names, slots) for ``WorkerConfig``.
 
     A mapping gives each queue its slots and concurrency defaults to their sum;
-    names (or None: every queue) share ``concurrency`` threads (default 4).
+    names (or None: every queue) share ``concurrency`` threads (default: ``WorkerConfig``'s).
     """
     if isinstance(queues, str):
         raise ConfigError(f"queues must be a list of names or a mapping of name to slots, not the string {queues!r}")
@@ -180,7 +235,7 @@ def split_queues(
         total = sum(count for _, count in slots if isinstance(count, int))
         return (total if concurrency is None else concurrency), None, slots
     names = tuple(queues) if queues else None
-    return (4 if concurrency is None else concurrency), names, None
+    return (WorkerConfig.concurrency if concurrency is None else concurrency), names, None
 
 
 def parse_queue_options(options: list[str]) -> list[str] | dict[str, int]:

@@ -70,8 +70,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
@@ -79,7 +78,7 @@ from .._app import JobQueue
 from .._periodic import Scheduler
 from ..drivers.base import Driver
 from ..leader import Leadership
-from .config import WorkerConfig, check_pool, split_queues
+from .config import WorkerConfig, WorkerSettings, check_pool, takes_settings
 from .control import Control
 from .executor import Executor
 from .maintenance import Maintenance
@@ -87,6 +86,9 @@ from .outage import database_key
 from .signals import installed_stop_signals, release_stop_signals, stop_signals
 from .store import Store
 from .vacuum import Vacuumer
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = ["Worker"]
 
@@ -103,32 +105,9 @@ class Worker:
     own threads (``concurrency``, if given, must be their sum).
     """
 
-    def __init__(
-        self,
-        engine: Engine,
-        queue: JobQueue[Any, Any],
-        *,
-        concurrency: int | None = None,
-        queues: Sequence[str] | Mapping[str, int] | None = None,
-        lease: float = 60.0,
-        heartbeat: float | None = None,
-        poll_interval: float = 1.0,
-        grace: float = 30.0,
-        batch_size: int | None = None,
-        flush_interval: float = 0.002,
-        listen: bool = True,
-        name: str | None = None,
-        prune_after: float | None = None,
-        vacuum_dead_rows: int | None = None,
-        leader: bool = True,
-    ) -> None:
-        concurrency, names, slots = split_queues(queues, concurrency)
-        self._setup(engine, queue, WorkerConfig(
-            concurrency=concurrency, queues=names, queue_slots=slots, lease=lease, heartbeat=heartbeat,
-            poll_interval=poll_interval, grace=grace, batch_size=batch_size, flush_interval=flush_interval,
-            listen=listen, name=name, prune_after=prune_after,
-            vacuum_dead_rows=vacuum_dead_rows, leader=leader,
-        ))
+    @takes_settings
+    def __init__(self, engine: Engine, queue: JobQueue[Any, Any], **settings: Unpack[WorkerSettings]) -> None:
+        self._setup(engine, queue, WorkerConfig.from_settings(**settings))
 
     @classmethod
     def _from_config(cls, engine: Engine, queue: JobQueue[Any, Any], config: WorkerConfig) -> Worker:
@@ -145,17 +124,7 @@ class Worker:
         if config.discards_finished:  # delete at finish what would be pruned at once
             self.driver = self.driver.discarding_finished()
         self.name = config.worker_name
-        # Kept as attributes: callers and older code read them.
-        self.concurrency = config.concurrency
-        self.queues = config.queues
-        self.poll_interval = config.poll_interval
-        self.grace = config.grace
-        self.batch_size = config.claim_limit
-        self.flush_interval = config.flush_interval
-        self.prune_after = config.prune_after
-        self.lease = config.lease
-        self.heartbeat = config.heartbeat_every
-        self.listen = config.listen and self.driver.supports_listen
+        self._listen = config.listen and self.driver.supports_listen  # asked for, and the database can
         check_pool(engine, config)
         self.driver.harden(engine, self.name)  # keepalives, timeouts, application_name: see the driver
         self._wake = threading.Event()
@@ -189,18 +158,18 @@ class Worker:
         had_signals = installed_stop_signals() is not None
         signals = stop_signals() if install_signals else None
         try:
-            self._store.prepare(self.listen, self.config.poll_interval)
+            self._store.prepare(self._listen, self.config.poll_interval)
             if self.config.leader and not burst:  # a burst worker keeps its own upkeep: it is gone soon
-                self._maintenance.leadership = Leadership(self.engine, self.queue, self.name, lease=self.lease)
+                self._maintenance.leadership = Leadership(self.engine, self.queue, self.name, lease=self.config.lease)
             self._executor.start()
             wake = self._control.wake_from_database
-            listener = self.driver.listener(self.engine, wake, self.name) if self.listen else None
+            listener = self.driver.listener(self.engine, wake, self.name) if self._listen else None
             if listener is not None:
                 listener.start()
             # The app's periodic jobs: every long-running worker enqueues due slots (sqla_jobs._periodic).
             # Not only the elected worker: a slot must not wait for a new leader (up to a lease), and the
             # database lets one job per slot in whoever asks.
-            scheduler = (Scheduler(self.queue, self.engine, prune_after=self.prune_after)
+            scheduler = (Scheduler(self.queue, self.engine, prune_after=self.config.prune_after)
                          if self.queue.schedules and not burst else None)
             if scheduler is not None:
                 scheduler.start()
