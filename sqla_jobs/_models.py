@@ -56,8 +56,6 @@ from typing import Any, ClassVar
 
 from sqlalchemy import JSON, BigInteger, Boolean, DateTime, Index, Integer, String, Text, event, text
 from sqlalchemy import inspect as sa_inspect
-from sqlalchemy.dialects.mysql import DATETIME as MYSQL_DATETIME
-from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validates
 from sqlalchemy.orm.attributes import instance_dict
 
@@ -66,33 +64,37 @@ from ._fields import MAX_KIND_LENGTH, MAX_QUEUE_LENGTH, int_field, text_field, u
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, PayloadType
 from ._typed import as_payload
 from ._unique import HELD_KEY_SQL, MAX_UNIQUE_KEY_LENGTH, StateSet, check_key, check_states
-from .drivers import DatabaseNow, GeneratedColumn, JSONText, attach_table_events
+from .drivers import (
+    DatabaseNow,
+    GeneratedColumn,
+    attach_table_events,
+    column_type,
+    index_dialects_for,
+    partial_where,
+    table_options,
+)
 from .errors import InvalidJob
 
 __all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin"]
 
 STATES = ("pending", "running", "finished", "cancelled")
 
-# BIGSERIAL on PostgreSQL; on SQLite only INTEGER PRIMARY KEY is the rowid alias.
-_ID = BigInteger().with_variant(Integer(), "sqlite")
-# MariaDB/MySQL: JSON kept as LONGTEXT, the text exactly as sent (see JSONText in drivers/mysql/driver.py).
-_JSON = JSON().with_variant(JSONB(), "postgresql").with_variant(JSONText(), "mysql", "mariadb")
-# The same column type, but it sends the text encoded at flush (see _payload).
-_PAYLOAD = (
-    PayloadType(JSON())
-    .with_variant(PayloadType(JSONB()), "postgresql")
-    .with_variant(PayloadType(JSONText()), "mysql", "mariadb")
-)
+# The portable column types, with each backend's own as its variant where the portable one will not do
+# (Driver.column_type: an INTEGER id on SQLite, jsonb on PostgreSQL, JSON as LONGTEXT and DATETIME(6) on
+# MariaDB/MySQL; see sqla_jobs/drivers). The payload's type sends the text encoded at flush (see _payload).
+_ID = column_type("id", BigInteger())
+_JSON = column_type("json", JSON())
+_PAYLOAD = column_type("json", JSON(), wrap=PayloadType)
 # The database clock, on every backend: CURRENT_TIMESTAMP, or UTC with microseconds where
 # the column has no time zone (MariaDB/MySQL: see DatabaseNow in sqla_jobs/drivers).
 _NOW = DatabaseNow()
-# MariaDB/MySQL: which dialects get the indexes without a WHERE (they have no partial indexes).
-_NO_PARTIAL = ("mysql", "mariadb")
-_PARTIAL = ("postgresql", "sqlite")
-#: Table options: SQLite ids never reused; MariaDB/MySQL compare kind and queue exactly (a binary collation).
-_DEAD_OPTIONS = {f"{prefix}_{option}": value for prefix in _NO_PARTIAL
-                 for option, value in (("charset", "utf8mb4"), ("collate", "utf8mb4_bin"))}
-_JOB_OPTIONS = {"sqlite_autoincrement": True, **_DEAD_OPTIONS}
+# Index rules: a backend with partial indexes leaves out of an index the rows it never looks for; one
+# without (MariaDB/MySQL) gets the same index led by `state` (Driver.partial_indexes).
+_PARTIAL = index_dialects_for(partial=True)
+_NO_PARTIAL = index_dialects_for(partial=False)
+#: Table options, every backend's (Driver.table_options: SQLite's AUTOINCREMENT, MariaDB/MySQL's collation).
+_JOB_OPTIONS = table_options("jobs")
+_DEAD_OPTIONS = table_options("dead")
 # Defaults live in the database only. A column with no default at all would
 # be sent as an explicit NULL in every ORM INSERT (SQLAlchemy keeps batches
 # uniform that way): 14 parameters a row instead of 2 made `add_all` 2.5x slower.
@@ -100,8 +102,8 @@ _NULL = text("NULL")
 
 
 def _tz() -> Any:
-    # MariaDB/MySQL DATETIME keeps whole seconds unless asked: leases and claim order need microseconds.
-    return DateTime(timezone=True).with_variant(MYSQL_DATETIME(fsp=6), "mysql", "mariadb")
+    # Time zone aware; where a backend's type has none (MariaDB/MySQL), it holds UTC with microseconds.
+    return column_type("timestamp", DateTime(timezone=True))
 
 
 def timestamp_type() -> Any:
@@ -291,8 +293,7 @@ class JobMixin(_Common):
                 text("priority DESC"),
                 "run_at",
                 "id",
-                postgresql_where=text("state = 'pending'"),
-                sqlite_where=text("state = 'pending'"),
+                **partial_where("state = 'pending'"),
             ).ddl_if(dialect=_PARTIAL),
             # The same without a WHERE (MariaDB/MySQL): `state` leads, so the claim reads the
             # pending range in claim order and never the finished rows (docs/howto/backends.md).
@@ -301,27 +302,23 @@ class JobMixin(_Common):
             Index(
                 f"ix_{name}_running",
                 "lease_expires_at",
-                postgresql_where=text("state = 'running'"),
-                sqlite_where=text("state = 'running'"),
+                **partial_where("state = 'running'"),
             ).ddl_if(dialect=_PARTIAL),
             Index(f"ix_{name}_running", "state", "lease_expires_at").ddl_if(dialect=_NO_PARTIAL),
             # Unique jobs: one holder per key (sqla_jobs._unique). NULL for every job without a key or
             # out of its unique states: left out of the index where it can be partial.
             Index(f"ux_{name}_unique", "unique_held", unique=True,
-                  postgresql_where=text("unique_held IS NOT NULL"),
-                  sqlite_where=text("unique_held IS NOT NULL")).ddl_if(dialect=_PARTIAL),
+                  **partial_where("unique_held IS NOT NULL")).ddl_if(dialect=_PARTIAL),
             Index(f"ux_{name}_unique", "unique_held", unique=True).ddl_if(dialect=_NO_PARTIAL),
             # `jobs list --unique-key`, finished jobs included.
             Index(f"ix_{name}_unique_key", "unique_key",
-                  postgresql_where=text("unique_key IS NOT NULL"),
-                  sqlite_where=text("unique_key IS NOT NULL")).ddl_if(dialect=_PARTIAL),
+                  **partial_where("unique_key IS NOT NULL")).ddl_if(dialect=_PARTIAL),
             Index(f"ix_{name}_unique_key", "unique_key").ddl_if(dialect=_NO_PARTIAL),
             # Run-time figures and pruning of old finished jobs (NULLs are few and cheap without a WHERE).
             Index(
                 f"ix_{name}_finished",
                 "finished_at",
-                postgresql_where=text("finished_at IS NOT NULL"),
-                sqlite_where=text("finished_at IS NOT NULL"),
+                **partial_where("finished_at IS NOT NULL"),
             ),
         ]
 

@@ -74,7 +74,7 @@ def test_no_module_outside_the_drivers_branches_on_a_dialect(path: Path) -> None
 
 def test_the_driver_package_is_where_the_differences_are() -> None:
     # The checker is not vacuous: the drivers themselves do branch on names (URL aliases, say).
-    assert any(dialect_branches(p.read_text(encoding="utf-8")) for p in DRIVERS.glob("*.py"))
+    assert any(dialect_branches(p.read_text(encoding="utf-8")) for p in DRIVERS.rglob("*.py"))  # its subpackages too
 
 
 def _imports(path: Path) -> set[str]:
@@ -162,3 +162,14 @@ def test_each_folder_imports_only_the_layers_below_it(path: Path) -> None:
                    if (other := _folder(name)) not in (folder, "errors") and other not in LAYERS[folder])
     assert not wrong, (f"{path.relative_to(PACKAGE.parent)} ({folder}/) imports {wrong}: {folder}/ may import only "
                        f"{sorted(LAYERS[folder])} (docs/development.md, 'The layout')")
+
+
+def test_every_driver_says_how_it_reads_a_json_field() -> None:
+    # Per-key limits read a payload field in SQL (drivers/_limits.py payload_key); there is no portable
+    # spelling, so no default either: a backend that forgot it would fail there, not guess.
+    from sqla_jobs.drivers import registered
+    from sqla_jobs.drivers._setup import Setup
+
+    assert registered()
+    for driver in registered():
+        assert driver.json_field_text.__func__ is not Setup.json_field_text.__func__, driver.__name__  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from alembic.util import CommandError
 from sqlalchemy import Connection, MetaData, inspect, make_url
 from sqlalchemy.dialects import postgresql
 
-from ..drivers import driver_class_of, normalise_url, registered
+from ..drivers import driver_class_of, migration_guard, migration_imports, normalise_url, registered
 from ..drivers.base import index_dialects
 from ..errors import ConfigError
 from .compare import (
@@ -209,7 +209,7 @@ def _guarded_indexes(queue: JobQueue[Any, Any], partitioned: bool = False) -> st
             rendered = render_python_code(ops.UpgradeOps([ops.CreateIndexOp.from_index(index)]),
                                           render_item=render_item)
             body = [line.strip() for line in rendered.splitlines() if line.strip() and not line.strip().startswith("#")]
-            code.append(f"    if op.get_bind().dialect.name in {names!r}:\n" + "".join(f"        {b}\n" for b in body))
+            code.append(f"    if {migration_guard(names)}:\n" + "".join(f"        {b}\n" for b in body))
     return "".join(code).rstrip("\n")
 
 
@@ -322,8 +322,8 @@ def render_revision(
         summary.extend(trigger[2])
     if upgrade.is_empty() and trigger is None:
         return Rendered(None, None, head, [])
-    # The models' types name PostgreSQL and MariaDB/MySQL variants, whatever the database at hand.
-    imports = ("from sqlalchemy.dialects import mysql", "from sqlalchemy.dialects import postgresql")
+    # The models' types name every backend's variants, whatever the database at hand.
+    imports = migration_imports()
     context = (
         MigrationContext.configure(connection=connection) if connection is not None else None
     )

@@ -1,8 +1,9 @@
 """How ``sqla_jobs.alembic`` renders what alembic gets wrong for the job tables (its ``render_item``).
 
-The payload's internal type, PostgreSQL ``JSON``/``JSONB`` (alembic leaves
-out an import), MariaDB/MySQL's ``LONGTEXT`` JSON, the unique states' bitmask
-and the ``unique_held`` generated column. Public through ``sqla_jobs.alembic``.
+The payload's internal type, the unique states' bitmask, the ``unique_held``
+generated column, and a backend's own column types (PostgreSQL ``JSON``/``JSONB``,
+for which alembic leaves out an import; MariaDB/MySQL's ``LONGTEXT`` JSON), which
+its driver renders (``Driver.render_type``). Public through ``sqla_jobs.alembic``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy.dialects.postgresql import JSON as PG_JSON
-from sqlalchemy.dialects.postgresql import JSONB
-
 from .._payload import PayloadType
 from .._unique import StateSet
-from ..drivers import GeneratedColumn, JSONText
+from ..drivers import GeneratedColumn, migration_guard, registered, stored_generated_dialects
 
 if TYPE_CHECKING:
     from alembic.autogenerate.api import AutogenContext
@@ -45,20 +43,19 @@ def render_item(type_: str, obj: Any, autogen_context: AutogenContext) -> str | 
         # The unique states' bitmask (sqla_jobs._unique): a plain INTEGER to the database.
         return f"{autogen_context.opts.get('sqlalchemy_module_prefix') or ''}Integer()"
     if type_ == "server_default" and isinstance(obj, GeneratedColumn):
-        # Stored on PostgreSQL (whose virtual columns cannot be indexed), virtual elsewhere (SQLite can add
+        # Stored where a backend needs it to index the column (PostgreSQL), virtual elsewhere (SQLite can add
         # only those to a table): decided where the revision runs, so one revision serves every backend.
         prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""
         return (f"{prefix}Computed({str(obj.sqltext)!r}, "
-                "persisted=op.get_bind().dialect.name == 'postgresql' or None)")
-    if type_ == "type" and isinstance(obj, JSONText):
-        # MariaDB/MySQL keep the job tables' JSON as LONGTEXT (drivers/mysql/driver.py); the revision needs only that.
-        autogen_context.imports.add("from sqlalchemy.dialects import mysql")
-        return "mysql.LONGTEXT()"
-    if type_ == "type" and isinstance(obj, (JSONB, PG_JSON)):
-        autogen_context.imports.add("from sqlalchemy.dialects import postgresql")
+                f"persisted={migration_guard(stored_generated_dialects())} or None)")
+    if type_ == "type":
+        # A backend's own column type (jsonb, LONGTEXT for JSON): the driver says how to write it, and adds
+        # the import it needs.
         prefix = autogen_context.opts.get("sqlalchemy_module_prefix") or ""
-        # repr is e.g. "JSONB(astext_type=Text())"; Text is only importable via sa.
-        return "postgresql." + repr(obj).replace("astext_type=Text(", f"astext_type={prefix}Text(")
+        for driver in registered():
+            shown = driver.render_type(obj, autogen_context.imports, prefix)
+            if shown is not None:
+                return shown
     return False
 
 

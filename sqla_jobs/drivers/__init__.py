@@ -16,7 +16,11 @@ must implement:
   with the isolation rule (``alone``) and whether an isolated job waits, leaving out
   ``skip_kinds`` (the kinds with limits, which ``_limits.claim_limited`` claims);
   optionally ``finish_and_claim`` fused into one round trip;
-* a payload field as text for per-key limits: a branch in ``_limits.payload_key``;
+* ``json_field_text``: a payload field as text, for per-key limits (``_limits.payload_key``);
+* ``dialects`` (if not just ``name``), ``partial_indexes``, ``stores_generated_columns``, and where the
+  portable column types will not do ``column_type`` / ``table_options`` / ``render_type`` /
+  ``migration_imports``: the job tables as the backend stores them (``_models`` and the alembic
+  helpers ask the functions below, which ask every registered backend);
 * ``errors_plus``: append one entry to the JSON ``errors`` column in SQL;
 * ``run_times``: count, mean, p50, p95, max of run times per kind;
 * ``reflect_indexes`` for the alembic comparator, and ``bench_scratch`` for
@@ -45,15 +49,17 @@ unchanged with its name added to the backend list in ``tests/conftest.py``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Table
+from sqlalchemy import Connection, Engine, Table, text
 from sqlalchemy.engine import URL
+from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
 from ._setup import GeneratedColumn
 from .base import DatabaseNow, Driver
-from .mysql.driver import JSONText, MySQLDriver
+from .mysql import JSONText, MySQLDriver
 from .postgresql.driver import PostgreSQLDriver
 from .sqlite import SQLiteDriver
 
@@ -63,12 +69,19 @@ __all__ = [
     "GeneratedColumn",
     "JSONText",
     "attach_table_events",
+    "column_type",
     "driver_class",
     "driver_class_of",
     "driver_for",
+    "index_dialects_for",
+    "migration_guard",
+    "migration_imports",
     "normalise_url",
+    "partial_where",
     "register",
     "registered",
+    "stored_generated_dialects",
+    "table_options",
 ]
 
 _DRIVERS: dict[str, type[Driver]] = {}
@@ -129,6 +142,55 @@ def attach_table_events(table: Table) -> None:
     """Let every backend hook the DDL it adds after ``CREATE TABLE`` of a jobs table."""
     for driver in _DRIVERS.values():
         driver.attach_table_events(table)
+
+
+# -- the job tables as every registered backend stores them (read when the models are defined) ----------
+
+
+def column_type(role: str, portable: TypeEngine[Any],
+                wrap: Callable[[TypeEngine[Any]], TypeEngine[Any]] | None = None) -> TypeEngine[Any]:
+    """``portable``, with each backend's own type for a column of ``role`` as its variant (``Driver.column_type``);
+    ``wrap`` is applied to each (the payload's encoder)."""
+    def own(type_: TypeEngine[Any]) -> TypeEngine[Any]:
+        return wrap(type_) if wrap is not None else type_
+
+    result = own(portable)
+    for driver in _DRIVERS.values():
+        variant = driver.column_type(role)
+        if variant is not None:
+            result = result.with_variant(own(variant), *driver.dialect_names())
+    return result
+
+
+def table_options(table: str) -> dict[str, Any]:
+    """The dialect options of the jobs table (``"jobs"``) or the dead-letter table (``"dead"``), every backend's."""
+    return {key: value for driver in _DRIVERS.values() for key, value in driver.table_options(table).items()}
+
+
+def index_dialects_for(*, partial: bool) -> tuple[str, ...]:
+    """The dialects whose backends have partial indexes (``partial=True``) or not: an index rule's ``ddl_if``."""
+    return tuple(n for d in _DRIVERS.values() if d.partial_indexes == partial for n in d.dialect_names())
+
+
+def partial_where(condition: str) -> dict[str, Any]:
+    """An index's WHERE ``condition`` as the options of every dialect that can make the index partial."""
+    return {f"{name}_where": text(condition) for name in index_dialects_for(partial=True)}
+
+
+def stored_generated_dialects() -> tuple[str, ...]:
+    """The dialects whose generated columns must be STORED to be indexed."""
+    return tuple(n for d in _DRIVERS.values() if d.stores_generated_columns for n in d.dialect_names())
+
+
+def migration_guard(dialects: tuple[str, ...]) -> str:
+    """The test with which an alembic revision runs a step only on ``dialects``, decided where it runs:
+    one revision rendered without a database serves every backend."""
+    return f"op.get_bind().dialect.name in {dialects!r}"
+
+
+def migration_imports() -> tuple[str, ...]:
+    """The imports a revision needs for every backend's column types, whatever the database at hand."""
+    return tuple(sorted({line for d in _DRIVERS.values() for line in d.migration_imports}))
 
 
 register(PostgreSQLDriver)

@@ -51,7 +51,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from sqlalchemy import Connection, Engine, String, Table, cast, exists, func, insert, literal, select, update
+from sqlalchemy import Connection, Engine, Table, exists, func, insert, literal, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -96,13 +96,7 @@ def payload_key(driver: Driver, field: str) -> ColumnElement[str]:
     ``field`` was checked when the handler was registered (letters, digits, ``_``, ``-``), so it may sit in the
     JSON path's text.
     """
-    payload = driver.jobs.c.payload
-    if driver.name == "postgresql":  # jsonb ->> text
-        value: ColumnElement[Any] = payload.op("->>", return_type=String())(cast(literal(field), String()))
-    elif driver.name == "sqlite":
-        value = cast(func.json_extract(payload, f'$."{field}"'), String())
-    else:  # MariaDB / MySQL: the payload is LONGTEXT holding JSON
-        value = func.json_unquote(func.json_extract(payload, f'$."{field}"'))
+    value = driver.json_field_text(driver.jobs.c.payload, field)  # each backend spells it its own way
     return func.coalesce(value, literal(""))
 
 

@@ -16,7 +16,9 @@ from sqlalchemy import Computed, Connection, DateTime, Engine, Index, Table, ins
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
+from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.sql.functions import FunctionElement
+from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
 
@@ -78,6 +80,51 @@ class Setup:
 
     #: The async DBAPI driver for each sync one this backend takes (``AsyncWorker``, ``worker --async``).
     async_drivers: ClassVar[tuple[tuple[str, str], ...]] = ()
+
+    # -- the job tables as this backend stores them (the models and the alembic helpers ask every
+    # registered backend at once: see column_type and the other functions of sqla_jobs/drivers/__init__.py)
+
+    #: The SQLAlchemy dialect names this backend serves, which key its column type variants, table options,
+    #: index rules and migration guards; empty: just ``name`` (a URL alias such as ``postgres`` is no dialect).
+    dialects: ClassVar[tuple[str, ...]] = ()
+    #: Whether an index may carry a WHERE: the index rules then leave out of the pending, running and unique
+    #: indexes the rows those never look for; without, ``state`` leads them (``JobMixin.job_indexes``).
+    partial_indexes: ClassVar[bool] = False
+    #: Whether a generated column that an index covers must be STORED (a rendered revision asks where it runs).
+    stores_generated_columns: ClassVar[bool] = False
+    #: Imports an alembic revision needs for this backend's column types (``render_type``).
+    migration_imports: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def dialect_names(cls) -> tuple[str, ...]:
+        return cls.dialects or (cls.name,)
+
+    @classmethod
+    def column_type(cls, role: str) -> TypeEngine[Any] | None:
+        """This backend's own type for the job tables' columns of ``role`` (``"id"``, ``"json"``,
+        ``"timestamp"``), where the portable one will not do; None: the portable one."""
+        return None
+
+    @classmethod
+    def table_options(cls, table: str) -> dict[str, Any]:
+        """Dialect options (``sqlite_autoincrement``, ``mariadb_charset``) of the jobs table (``"jobs"``) or
+        the dead-letter table (``"dead"``)."""
+        return {}
+
+    @classmethod
+    def render_type(cls, type_: Any, imports: set[str], prefix: str) -> str | None:
+        """What an alembic revision should say for ``type_``, a column type of this backend's own (adding the
+        imports it needs; ``prefix`` is alembic's for ``sqlalchemy``), or None: not one of ours."""
+        return None
+
+    @classmethod
+    def json_field_text(cls, document: ColumnElement[Any], field: str) -> ColumnElement[str]:
+        """A top-level field of the JSON column ``document`` as text, NULL when missing, computed by the database.
+
+        ``field`` is letters, digits, ``_`` and ``-`` (checked where a handler names it), so it may sit in a
+        JSON path's text. No default: each backend spells it its own way.
+        """
+        raise NotImplementedError(f"{cls.__name__} must say how its database reads a JSON field as text")
 
     @classmethod
     def normalise_url(cls, url: URL) -> URL:

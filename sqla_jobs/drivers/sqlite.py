@@ -25,11 +25,25 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, DateTime, Engine, Table, func, select, text, type_coerce, update
+from sqlalchemy import (
+    Connection,
+    DateTime,
+    Engine,
+    Integer,
+    String,
+    Table,
+    cast,
+    func,
+    select,
+    text,
+    type_coerce,
+    update,
+)
 from sqlalchemy.dialects import sqlite
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
+from sqlalchemy.types import TypeEngine
 from sqlalchemy.util import await_only
 from sqlalchemy.util.concurrency import in_greenlet
 
@@ -81,8 +95,23 @@ class SQLiteDriver(Driver):
     name = "sqlite"
     label = "SQLite"
     async_drivers = (("sqlite", "sqlite+aiosqlite"), ("sqlite+pysqlite", "sqlite+aiosqlite"))
+    partial_indexes = True
 
     # -- class level ---------------------------------------------------------------
+
+    @classmethod
+    def column_type(cls, role: str) -> TypeEngine[Any] | None:
+        # Only INTEGER PRIMARY KEY is the rowid alias (BIGINT would be a column of its own, never filled in).
+        return Integer() if role == "id" else None
+
+    @classmethod
+    def table_options(cls, table: str) -> dict[str, Any]:
+        # AUTOINCREMENT: a job id is never reused, not even after the newest jobs were deleted.
+        return {"sqlite_autoincrement": True} if table == "jobs" else {}
+
+    @classmethod
+    def json_field_text(cls, document: ColumnElement[Any], field: str) -> ColumnElement[str]:
+        return cast(func.json_extract(document, f'$."{field}"'), String())
 
     @classmethod
     def missing_database(cls, url: URL) -> str | None:

@@ -28,9 +28,7 @@ accept (no RETURNING, no ``CAST … AS JSON``, no partial indexes).
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -39,9 +37,7 @@ from sqlalchemy import (
     Float,
     Integer,
     Select,
-    Table,
     bindparam,
-    create_engine,
     delete,
     func,
     insert,
@@ -52,19 +48,18 @@ from sqlalchemy import (
     type_coerce,
     update,
 )
-from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.compiler import compiles
 from sqlalchemy.sql.elements import ColumnElement
 
 from .._operations import requeued_errors, truncate, utcnow
-from ..base import DEAD_COLUMNS, Claimed, DatabaseNow, Driver, Fence, IndexDefinition, run_times_in_python
+from ..base import DEAD_COLUMNS, Claimed, Driver, Fence, run_times_in_python
+from .bench import MySQLBench
+from .schema import DATETIME6, MySQLSchema
 from .stats import MySQLStats
 
 __all__ = ["MySQLDriver"]
 
-_DATETIME = mysql.DATETIME(fsp=6)
 # A lost connection or server (PyMySQL's args[0]): 2006 gone away, 2013 lost during query, 2003 can't
 # connect, 2055 lost at handshake, 1927 killed (MariaDB), 4031 idle cut (MySQL), 1053 server shutdown.
 _GONE = {2006, 2013, 2003, 2055, 1927, 4031, 1053}
@@ -75,33 +70,7 @@ def _error_code(exc: BaseException) -> object:
     return orig.args[0] if orig is not None and orig.args else None
 
 
-class JSONText(mysql.JSON):
-    """JSON stored as ``LONGTEXT``: the text exactly as sent, read back with ``json.loads``.
-
-    Not the ``JSON`` column type: MySQL 8 stores it in a binary form that
-    reorders keys and respells numbers, and MariaDB's ``JSON`` (an alias of
-    LONGTEXT) adds a ``JSON_VALID`` check that refuses documents nested more
-    than 32 levels, under the 64 sqla-jobs accepts. Payloads are validated
-    before they are sent (``sqla_jobs._payload``), so nothing is lost.
-    """
-
-    cache_ok = True
-
-
-@compiles(JSONText, "mysql")
-@compiles(JSONText, "mariadb")
-def _json_as_longtext(element: JSONText, compiler: Any, **kw: Any) -> str:
-    return "LONGTEXT"
-
-
-@compiles(DatabaseNow, "mysql")
-@compiles(DatabaseNow, "mariadb")
-def _utc_default(element: DatabaseNow, compiler: Any, **kw: Any) -> str:
-    # DATETIME has no time zone: CURRENT_TIMESTAMP would be the session's local time, in whole seconds;
-    return "(UTC_TIMESTAMP(6))"  # parenthesised, as MySQL 8 wants an expression default
-
-
-class MySQLDriver(MySQLStats, Driver):
+class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
     """MariaDB and MySQL: see the module docstring."""
 
     name = "mariadb"
@@ -119,60 +88,6 @@ class MySQLDriver(MySQLStats, Driver):
             url = url.update_query_dict({"charset": "utf8mb4"})  # 4-byte UTF-8: emoji in payloads
         return url
 
-    @classmethod
-    def reflect_indexes(cls, conn: Connection, schema: str | None, table: str) -> dict[str, IndexDefinition | None]:
-        rows = conn.execute(
-            text(
-                "SELECT index_name, non_unique, column_name, collation FROM information_schema.statistics "
-                "WHERE table_schema = COALESCE(:schema, DATABASE()) AND table_name = :table "
-                "ORDER BY index_name, seq_in_index"
-            ),
-            {"schema": schema, "table": table},
-        )
-        parts: dict[str, list[str]] = {}
-        unique: dict[str, bool] = {}
-        for name, non_unique, column, collation in rows:
-            if name == "PRIMARY":
-                continue
-            unique[name] = not int(non_unique)
-            parts.setdefault(name, []).append(f"{column} DESC" if collation == "D" else str(column))
-        return {name: (unique[name], tuple(elements), None) for name, elements in parts.items()}
-
-    @classmethod
-    @contextmanager
-    def bench_scratch(cls, url: URL) -> Iterator[URL]:
-        database = f"sqla_jobs_bench_{os.getpid()}"
-        admin = create_engine(url)
-        with admin.begin() as conn:
-            conn.execute(text(f"DROP DATABASE IF EXISTS `{database}`"))
-            conn.execute(text(f"CREATE DATABASE `{database}` CHARACTER SET utf8mb4"))
-        try:
-            yield url.set(database=database)
-        finally:
-            with admin.begin() as conn:
-                conn.execute(text(f"DROP DATABASE IF EXISTS `{database}`"))
-            admin.dispose()
-
-    def bench_fill_finished(self, conn: Connection, rows: int) -> None:
-        """One row, then ``INSERT … SELECT`` doubling it on the server: a million rows in seconds."""
-        table = self._quoted(conn)
-        columns = "kind, queue, payload, state, attempts, locked_at, finished_at"
-        conn.execute(text(
-            f"INSERT INTO {table} ({columns}) VALUES ('noop', 'default', '{{}}', 'finished', 1, "
-            "UTC_TIMESTAMP(6) - INTERVAL 1 DAY, UTC_TIMESTAMP(6) - INTERVAL 1 DAY)"
-        ))
-        done = 1
-        while done < rows:
-            step = min(done, rows - done)
-            conn.execute(text(
-                f"INSERT INTO {table} ({columns}) SELECT {columns} FROM {table} WHERE state = 'finished' LIMIT {step}"
-            ))
-            done += step
-        conn.execute(text(f"ANALYZE TABLE {table}"))
-
-    def _quoted(self, conn: Connection) -> str:
-        return str(conn.dialect.identifier_preparer.format_table(self.jobs))
-
     def is_disconnect(self, exc: BaseException) -> bool:
         return isinstance(exc, DBAPIError) and (exc.connection_invalidated or _error_code(exc) in _GONE)
 
@@ -182,14 +97,14 @@ class MySQLDriver(MySQLStats, Driver):
     # -- time ------------------------------------------------------------------------
 
     def now(self) -> ColumnElement[datetime]:
-        return type_coerce(func.utc_timestamp(literal_column("6")), _DATETIME)
+        return type_coerce(func.utc_timestamp(literal_column("6")), DATETIME6)
 
     def later(self, seconds: float) -> ColumnElement[datetime]:
         # An anonymous bind: one statement may hold several offsets (lease and delay, say).
         micros = bindparam(None, round(seconds * 1_000_000), Integer())
         return type_coerce(
             func.timestampadd(literal_column("MICROSECOND"), micros, func.utc_timestamp(literal_column("6"))),
-            _DATETIME,
+            DATETIME6,
         )
 
     def seconds_between(self, later: Any, earlier: Any) -> ColumnElement[float]:
@@ -212,31 +127,6 @@ class MySQLDriver(MySQLStats, Driver):
         connection has not started yet: it is the first statement sent.
         """
         conn.exec_driver_sql("SET TRANSACTION ISOLATION LEVEL READ COMMITTED")
-
-    def create(self, conn: Connection) -> None:
-        """Tables first, then the indexes missing (MySQL has no ``CREATE INDEX IF NOT EXISTS``)."""
-        from sqlalchemy.schema import CreateIndex
-
-        for table in (self.jobs, self.dead):
-            table.create(conn, checkfirst=True)
-            have = self._index_names_of(conn, table)
-            for index in self.creatable_indexes(conn, table):
-                if index.name not in have:
-                    conn.execute(CreateIndex(index))
-
-    @staticmethod
-    def _index_names_of(conn: Connection, table: Table) -> set[str]:
-        rows = conn.execute(
-            text(
-                "SELECT DISTINCT index_name FROM information_schema.statistics "
-                "WHERE table_schema = COALESCE(:schema, DATABASE()) AND table_name = :table"
-            ),
-            {"schema": table.schema, "table": table.name},
-        )
-        return {r[0] for r in rows}
-
-    def index_names(self, conn: Connection) -> set[str]:
-        return self._index_names_of(conn, self.jobs)
 
     # -- the worker's path -----------------------------------------------------------
 

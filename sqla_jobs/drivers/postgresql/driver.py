@@ -22,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 
 import psycopg
 from sqlalchemy import (
-    DDL,
-    Computed,
     Connection,
     Engine,
     Interval,
@@ -31,9 +29,7 @@ from sqlalchemy import (
     Table,
     Text,
     cast,
-    event,
     func,
-    inspect,
     literal,
     select,
     text,
@@ -42,15 +38,12 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
-from sqlalchemy.ext.compiler import compiles
-from sqlalchemy.schema import CreateSchema
 from sqlalchemy.sql.elements import ColumnElement
 from sqlalchemy.util import await_only
 
 from ...errors import ConfigError
-from .._setup import GeneratedColumn
 from .._unique import on_conflict_insert
-from ..base import Claimed, Fence, IndexDefinition
+from ..base import Claimed, Fence
 from . import capped, keepalive, partitions
 from .async_listen import PgAsyncListener
 from .bench import PgBench
@@ -58,6 +51,7 @@ from .claim import CLAIMED, run_claim
 from .listen import PgListener
 from .notify import notify_channel, notify_trigger_ddl, notify_trigger_name, pg_name
 from .partitions import PartitionedMode
+from .schema import PgSchema
 from .vacuum import PgVacuum
 
 if TYPE_CHECKING:
@@ -104,13 +98,7 @@ WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
 
 
-@compiles(GeneratedColumn, "postgresql")
-def _stored(element: GeneratedColumn, compiler: Any, **kw: Any) -> str:
-    # Stored on every version: PostgreSQL 18 would make it VIRTUAL, which no index can cover.
-    return str(compiler.visit_computed_column(Computed(element.sqltext, persisted=True), **kw))
-
-
-class PostgreSQLDriver(PgVacuum, PgBench, PartitionedMode):
+class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
     """PostgreSQL: see the module docstring; the partitioned mode's methods are in ``pg_partitions``."""
 
     name = "postgresql"
@@ -198,47 +186,13 @@ class PostgreSQLDriver(PgVacuum, PgBench, PartitionedMode):
                                   "in transaction mode) or a count of executions >= 0") from None
         return url.difference_update_query(["prepare_threshold"]), {"prepare_threshold": value}
 
-    @classmethod
-    def attach_table_events(cls, table: Table) -> None:
-        create, _drop = notify_trigger_ddl(table)
-        event.listen(table, "after_create", DDL(create).execute_if(dialect=cls.name))
-
-    @classmethod
-    def wake_trigger_migration(cls, table: Table) -> tuple[str, str, str] | None:
-        create, drop = notify_trigger_ddl(table)
-        function, trigger = create.split(";\n")
-        guard = f'    if op.get_bind().dialect.name == "{cls.name}":\n'
-        upgrade = (guard + "        # wakes idle workers at commit (LISTEN/NOTIFY); see "
-                   "sqla_jobs.drivers.postgresql.driver.notify_trigger_ddl\n"
-                   f"        op.execute({function!r})\n        op.execute({trigger!r})")
-        summary = f"create trigger {notify_trigger_name(table)} ({cls.label})"
-        return upgrade, guard + f"        op.execute({drop!r})", summary
-
-    @classmethod
-    def creates_schemas(cls) -> bool:
-        return True
-
-    @classmethod
-    def reflect_indexes(cls, conn: Connection, schema: str | None, table: str) -> dict[str, IndexDefinition | None]:
-        found: dict[str, IndexDefinition | None] = {}
-        for index in inspect(conn).get_indexes(table, schema=schema):
-            expressions = index.get("expressions") or index.get("column_names") or []
-            if any(e is None for e in expressions):
-                found[str(index["name"])] = None  # an expression this SQLAlchemy cannot reflect: it only exists
-                continue
-            sorting: dict[str, Any] = dict(index.get("column_sorting") or {})
-            elements = tuple(f"{e} DESC" if "desc" in sorting.get(e, ()) else str(e) for e in expressions)
-            where = (index.get("dialect_options") or {}).get("postgresql_where")
-            found[str(index["name"])] = (bool(index.get("unique")), elements, str(where) if where is not None else None)
-        return partitions.as_the_model_has_them(conn, schema, table, found, cls.reflect_indexes)
-
     def harden(self, engine: Engine, worker_name: str) -> None:
         keepalive.harden(engine, worker_name)  # keepalives, timeouts, application_name
 
     def is_disconnect(self, exc: BaseException) -> bool:
         return keepalive.is_disconnect(exc)
 
-    # -- time, schema, wake-up -------------------------------------------------------
+    # -- time, wake-up -------------------------------------------------------
 
     def now(self) -> ColumnElement[datetime]:
         return func.now()
@@ -248,20 +202,6 @@ class PostgreSQLDriver(PgVacuum, PgBench, PartitionedMode):
 
     def seconds_between(self, later: Any, earlier: Any) -> ColumnElement[float]:
         return func.extract("epoch", later - earlier)
-
-    def create(self, conn: Connection) -> None:
-        for schema in sorted({t.schema for t in (self.jobs, self.dead) if t.schema}):
-            conn.execute(CreateSchema(schema, if_not_exists=True))
-        super().create(conn)
-        if not self.has_notify_trigger(conn):
-            conn.execute(text(notify_trigger_ddl(self.jobs)[0]))
-
-    def has_notify_trigger(self, conn: Connection) -> bool:
-        found = conn.execute(
-            text("SELECT 1 FROM pg_trigger WHERE tgname = :name AND tgrelid = to_regclass(:target)"),
-            {"name": notify_trigger_name(self.jobs), "target": pg_name(self.jobs)},
-        ).first()
-        return found is not None
 
     def notify(self, conn: Connection) -> None:
         conn.execute(select(func.pg_notify(self._channel, "")))
