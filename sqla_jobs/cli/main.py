@@ -19,9 +19,8 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
 
 from sqlalchemy.exc import DBAPIError
 
@@ -50,6 +49,7 @@ from .admin import (
 )
 from .dashboard import add_dashboard_parser
 from .migrations import add_migrations_parser
+from .options import Parser, common_options, iter_commands, job_id_argument, json_flag, not_negative, positive
 from .relay import add_relay_parser
 
 __all__ = ["main"]
@@ -122,82 +122,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 # -- parser --------------------------------------------------------------------
 
 
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default after its help, unless the help already names it. Never
-    ``--url``'s: it comes from ``SQLA_JOBS_URL`` and may hold a password."""
-
-    hidden = frozenset({"url", "app", "help", "version"})
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = action.help or ""
-        if (action.default in (None, False, argparse.SUPPRESS) or action.dest in self.hidden
-                or "default" in text or not action.option_strings):
-            return text
-        return f"{text} (default: %(default)s)"
-
-
-class _Parser(argparse.ArgumentParser):
-    """Every (sub)command parser: the same help layout."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _Formatter)
-        super().__init__(*args, **kwargs)
-
-
-def iter_commands(
-    parser: argparse.ArgumentParser, path: tuple[str, ...] = ()
-) -> Iterator[tuple[tuple[str, ...], argparse.ArgumentParser, str]]:
-    """Every subcommand below ``parser``, depth first: (its words, its parser, its one-line help)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            helps = {choice.dest: choice.help or "" for choice in action._choices_actions}
-            for name, sub in action.choices.items():
-                yield (*path, name), sub, helps.get(name, "")
-                yield from iter_commands(sub, (*path, name))
-
-
-def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
-    def parse(raw: str) -> Any:
-        try:
-            value = kind(raw)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be > 0, got {raw}")
-        return value
-
-    return parse
-
-
-def _not_negative(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{raw!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {raw}")
-    return value
-
-
-def _common(p: argparse.ArgumentParser, app: bool = True) -> None:
-    p.add_argument("--url", default=os.environ.get("SQLA_JOBS_URL"),
-                   help="database URL (env SQLA_JOBS_URL), e.g. postgresql+psycopg://user@host/db; "
-                        "add ?prepare_threshold=none behind PgBouncer in transaction mode")
-    if app:
-        p.add_argument("--app", default=os.environ.get("SQLA_JOBS_APP"),
-                       help="your JobQueue as module:attr (env SQLA_JOBS_APP)")
-
-
-def _json_flag(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("--json", action="store_true", help=f"print {what} as JSON instead of a table")
-
-
-def _job_id(p: argparse.ArgumentParser, what: str) -> None:
-    p.add_argument("id", type=int, metavar="ID", help=what)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="sqla-jobs", description="A job queue in your SQLAlchemy database.",
+    parser = Parser(prog="sqla-jobs", description="A job queue in your SQLAlchemy database.",
                      epilog="`sqla-jobs COMMAND --help` describes each command; docs/reference/cli.md has them all.")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
                         help="print the version of sqla-jobs and exit")
@@ -206,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("worker", help="claim and run jobs until stopped")
-    _common(p)
+    common_options(p)
     # Each worker option's default is WorkerConfig's field (read here, never written again), and its help
     # shows it: the formatter adds "(default: ...)" to any option whose help does not name one.
     p.add_argument("--concurrency", type=int, default=None,
@@ -217,13 +143,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="take jobs from this queue (repeat for more); NAME=SLOTS gives the queue SLOTS threads "
                         "of its own, so a busy queue never delays another (default: every queue, shared threads)")
     p.add_argument("--queues", help="comma-separated queue names to take jobs from (default: all)")
-    p.add_argument("--lease", type=_positive(float), default=WorkerConfig.lease,
+    p.add_argument("--lease", type=positive(float), default=WorkerConfig.lease,
                    help="seconds a claim lasts without a heartbeat")
-    p.add_argument("--heartbeat", type=_positive(float), default=WorkerConfig.heartbeat,
+    p.add_argument("--heartbeat", type=positive(float), default=WorkerConfig.heartbeat,
                    help="seconds between heartbeats (default lease/3)")
-    p.add_argument("--poll-interval", type=_positive(float), default=WorkerConfig.poll_interval,
+    p.add_argument("--poll-interval", type=positive(float), default=WorkerConfig.poll_interval,
                    help="seconds between polls when idle")
-    p.add_argument("--grace", type=_not_negative, default=WorkerConfig.grace,
+    p.add_argument("--grace", type=not_negative, default=WorkerConfig.grace,
                    help="seconds running jobs get to finish on SIGTERM")
     p.add_argument("--no-listen", action="store_true", help="poll only (e.g. behind PgBouncer)")
     p.add_argument("--async", dest="use_async", action="store_true",
@@ -242,13 +168,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prune-finished-older-than", metavar="AGE",
                    help="also delete finished/cancelled jobs older than AGE (e.g. 7d); one worker at a time. "
                         "0: keep no finished jobs, each deleted as it finishes (faster)")
-    p.add_argument("--vacuum-dead-rows", type=_positive(int), default=WorkerConfig.vacuum_dead_rows, metavar="N",
+    p.add_argument("--vacuum-dead-rows", type=positive(int), default=WorkerConfig.vacuum_dead_rows, metavar="N",
                    help="PostgreSQL: VACUUM the jobs table once it holds N dead rows (e.g. 50000), for bursts "
                         "autovacuum is too slow for; one worker at a time (default: leave it to autovacuum)")
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("create-tables", help="create the job tables (for apps without alembic)")
-    _common(p)
+    common_options(p)
     p.add_argument("--partitioned", action="store_true",
                    help="PostgreSQL: partition a new jobs table so finished jobs leave the hot table and "
                         "retention drops whole days (docs/howto/partitioning.md)")
@@ -257,36 +183,36 @@ def build_parser() -> argparse.ArgumentParser:
     dead = sub.add_parser("dead", help="inspect, requeue and purge dead-lettered jobs")
     dsub = dead.add_subparsers(dest="dead_command", required=True, metavar="COMMAND")
     p = dsub.add_parser("list", help="list dead jobs, latest failure first")
-    _common(p)
+    common_options(p)
     p.add_argument("--kind", help="only dead jobs of this kind")
     p.add_argument("--since", metavar="AGE", help="only jobs that failed within AGE (e.g. 1h, 2d)")
-    p.add_argument("--limit", type=_positive(int), default=50, help="show at most this many")
-    _json_flag(p, "an array of dead jobs, with payloads and error histories,")
+    p.add_argument("--limit", type=positive(int), default=50, help="show at most this many")
+    json_flag(p, "an array of dead jobs, with payloads and error histories,")
     p.set_defaults(func=cmd_dead_list)
     p = dsub.add_parser("show", help="one dead job: payload and every error")
-    _common(p)
-    _job_id(p, "the dead job's id (as in `dead list`)")
-    _json_flag(p, "the dead job")
+    common_options(p)
+    job_id_argument(p, "the dead job's id (as in `dead list`)")
+    json_flag(p, "the dead job")
     p.set_defaults(func=cmd_dead_show)
     p = dsub.add_parser("purge", help="delete dead jobs that failed before a given age")
-    _common(p)
+    common_options(p)
     p.add_argument("--older-than", required=True, metavar="AGE", help="e.g. 30d, 12h, 15m, 90s")
     p.add_argument("--kind", help="only dead jobs of this kind")
     p.set_defaults(func=cmd_dead_purge)
     p = dsub.add_parser("retry", help="move dead jobs back to the queue (attempts reset)")
-    _common(p)
+    common_options(p)
     p.add_argument("ids", nargs="*", type=int, metavar="ID", help="ids of dead jobs to requeue")
     p.add_argument("--kind", help="requeue every dead job of this kind")
     p.add_argument("--all", action="store_true", help="requeue every dead job")
     p.set_defaults(func=cmd_dead_retry)
 
     p = sub.add_parser("bench", help="measure enqueue, drain and pickup latency on a scratch schema or file")
-    _common(p, app=False)
+    common_options(p, app=False)
     p.add_argument("--jobs", type=int, default=10_000, help="jobs per measurement (default 10000)")
     # The bench's own default, not a worker's: it measures a busy worker, which has more threads than four.
     p.add_argument("--concurrency", type=int, default=64, help="threads per worker process (default 64)")
     p.add_argument("--processes", type=int, default=2, help="worker processes for the drain (default 2)")
-    p.add_argument("--batch-size", type=_positive(int), default=WorkerConfig.batch_size,
+    p.add_argument("--batch-size", type=positive(int), default=WorkerConfig.batch_size,
                    help="most jobs one claim takes (default: --concurrency, as sqla-jobs worker does)")
     p.add_argument("--runs", type=int, default=3, help="repeat and report medians (default 3)")
     p.add_argument("--latency-samples", type=int, default=200,
@@ -310,64 +236,64 @@ def build_parser() -> argparse.ArgumentParser:
                         "autovacuum_vacuum_scale_factor=0.01,fillfactor=70")
     p.add_argument("--out", default="soak-results", metavar="DIR",
                    help="with --soak: where soak.json, soak.csv and soak.png go")
-    _json_flag(p, "the figures")
+    json_flag(p, "the figures")
     p.add_argument("--async", dest="use_async", action="store_true",
                    help="measure the async worker (sqla-jobs worker --async) with async def no-op handlers")
-    p.add_argument("--vacuum-dead-rows", type=_positive(int), default=WorkerConfig.vacuum_dead_rows, metavar="N",
+    p.add_argument("--vacuum-dead-rows", type=positive(int), default=WorkerConfig.vacuum_dead_rows, metavar="N",
                    help="the drain's workers run as `sqla-jobs worker --vacuum-dead-rows N` (PostgreSQL)")
     p.add_argument("--discard-finished", action="store_true",
                    help="the drain's workers run as `sqla-jobs worker --prune-finished-older-than 0`: each job "
                         "is deleted as it finishes")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
-    _common(p)
+    common_options(p)
     p.add_argument("--window", default="1h", metavar="AGE", help="run-time and throughput window (default 1h)")
     p.add_argument("--json", action="store_true", help="one JSON object (one per refresh with --watch)")
-    p.add_argument("--watch", type=_positive(float), nargs="?", const=2.0, default=None, metavar="SECONDS",
+    p.add_argument("--watch", type=positive(float), nargs="?", const=2.0, default=None, metavar="SECONDS",
                    help="refresh every SECONDS (default 2) until Ctrl-C")
     p.set_defaults(func=cmd_stats)
 
     jobs = sub.add_parser("jobs", help="list, inspect, cancel and retry jobs")
     jsub = jobs.add_subparsers(dest="jobs_command", required=True, metavar="COMMAND")
     p = jsub.add_parser("list", help="jobs, newest first")
-    _common(p)
+    common_options(p)
     p.add_argument("--kind", help="only jobs of this kind")
     p.add_argument("--state", choices=STATES, help="only jobs in this state")
     p.add_argument("--queue", help="only jobs in this queue")
     p.add_argument("--unique-key", metavar="KEY",
                    help="only jobs with this unique key (and its periods, KEY@...; a schedule's slots: periodic:NAME)")
-    p.add_argument("--limit", type=_positive(int), default=50, help="show at most this many")
-    _json_flag(p, "an array of jobs")
+    p.add_argument("--limit", type=positive(int), default=50, help="show at most this many")
+    json_flag(p, "an array of jobs")
     p.set_defaults(func=cmd_jobs_list)
     p = jsub.add_parser("show", help="every field of one job, its payload and error history")
-    _common(p)
-    _job_id(p, "the job's id (a dead job's too)")
-    _json_flag(p, "the job")
+    common_options(p)
+    job_id_argument(p, "the job's id (a dead job's too)")
+    json_flag(p, "the job")
     p.set_defaults(func=cmd_jobs_show)
     p = jsub.add_parser("cancel", help="a pending job never runs; a running one is told to stop and ends cancelled")
-    _common(p)
-    _job_id(p, "the id of the job to cancel")
+    common_options(p)
+    job_id_argument(p, "the id of the job to cancel")
     p.set_defaults(func=cmd_jobs_cancel)
     p = jsub.add_parser("retry", help="make a pending (scheduled) job due now")
-    _common(p)
-    _job_id(p, "the id of the pending job")
+    common_options(p)
+    job_id_argument(p, "the id of the pending job")
     p.set_defaults(func=cmd_jobs_retry)
 
     p = sub.add_parser("prune", help="delete old finished and cancelled jobs, in small batches")
-    _common(p)
+    common_options(p)
     p.add_argument("--finished-older-than", required=True, metavar="AGE", help="e.g. 7d")
-    p.add_argument("--batch-size", type=_positive(int), default=1000, help="rows per transaction (default 1000)")
+    p.add_argument("--batch-size", type=positive(int), default=1000, help="rows per transaction (default 1000)")
     p.set_defaults(func=cmd_prune)
 
     p = sub.add_parser("health", help="exit 0 if healthy, 1 with a reason if not (for probes and cron)")
-    _common(p)
+    common_options(p)
     p.add_argument("--max-oldest-age", required=True, metavar="AGE",
                    help="unhealthy when a due job has waited longer (e.g. 15m)")
     p.set_defaults(func=cmd_health)
 
-    add_migrations_parser(sub, _common)
-    add_dashboard_parser(sub, _common)
-    add_relay_parser(sub, _common)
+    add_migrations_parser(sub, common_options)
+    add_dashboard_parser(sub, common_options)
+    add_relay_parser(sub, common_options)
 
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")
