@@ -25,6 +25,10 @@ producer stops, the workers drain what is left, and the report checks that
 every enqueued job ran exactly once. Windows go to ``soak.json`` and
 ``soak.csv`` under ``--out``, and a plot to ``soak.png`` (matplotlib, from the
 ``bench`` extra).
+
+Here: the settings, the worker processes and the run. The parent's threads (producer, pruner,
+vacuumer, the collector of handler starts) are ``soak_load``; the samples and the windows made of
+them ``soak_monitor``; the report and its files ``soak_report``.
 """
 
 from __future__ import annotations
@@ -33,33 +37,27 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
-import queue as queue_module
 import signal
-import statistics
 import sys
 import threading
 import time
-from array import array
 from collections import deque
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy import create_engine, func, select
 
 from .._bootstrap import database_url, make_engine, missing_database
 from .._durations import parse_duration
 from ..errors import ConfigError
 from ..worker.config import WorkerConfig
 from ..worker.worker import Worker
-from .run import BenchDeadJob, BenchJob, _reset, queue, scratch
-from .soak_report import SoakReport, Window, write_outputs
+from .run import BenchDeadJob, _reset, queue, scratch
+from .soak_load import Tally, collect, produce, prune, vacuum
+from .soak_monitor import pending_and_running, progress_line, sample_now, table_figures, windows_of
+from .soak_report import SoakReport, write_outputs
 
 __all__ = ["SoakSettings", "run_soak"]
-
-TICK = 0.01  # the producer's step at a set rate: one transaction per tick
-MAX_RATE_BATCH = 500  # jobs per transaction with --rate max
-CATCH_UP_BATCH = 5_000  # most jobs one tick may carry when the producer fell behind
 
 # Handler starts in a worker process, (wall-clock start, job number, pickup seconds), until shipped.
 _starts: deque[tuple[float, int, float]] = deque()
@@ -152,151 +150,6 @@ def _worker_main(url: str, concurrency: int, batch_size: int | None, ready: Any,
         engine.dispose()
 
 
-# -- the parent's threads -------------------------------------------------------------
-
-
-class _Tally:
-    """What the parent has seen so far, shared by its threads (each field written by one thread)."""
-
-    def __init__(self) -> None:
-        self.enqueue_times: array[float] = array("d")  # wall time of each producer transaction
-        self.enqueue_counts: array[int] = array("q")
-        self.sent = 0
-        self.pruned = 0
-        self.vacuums = 0
-        self.seen = bytearray()
-        self.duplicates = 0
-        self.unique = 0
-        self.latency_by_window: dict[int, array[float]] = {}
-
-    def record_starts(self, chunk: list[tuple[float, int, float]], origin: float, window: float) -> None:
-        for started, n, pickup in chunk:
-            if n >= len(self.seen):
-                self.seen.extend(bytes(max(n + 1 - len(self.seen), 65_536)))
-            if self.seen[n]:
-                self.duplicates += 1
-            else:
-                self.unique += 1
-            self.seen[n] = 1
-            index = int((started - origin) // window)
-            self.latency_by_window.setdefault(index, array("d")).append(pickup * 1000)
-
-
-def _produce(engine: Engine, settings: SoakSettings, tally: _Tally, stop: threading.Event) -> None:
-    start = time.perf_counter()
-    while not stop.is_set():
-        if settings.rate is None:
-            count = MAX_RATE_BATCH
-        else:
-            count = min(int(settings.rate * (time.perf_counter() - start)) - tally.sent, CATCH_UP_BATCH)
-            if count <= 0:
-                time.sleep(TICK)
-                continue
-        stamp = time.time()
-        first = tally.sent
-        rows = ({"kind": "soak", "payload": {"n": first + i, "t": stamp}} for i in range(count))
-        with Session(engine) as session, session.begin():
-            queue.enqueue_many(session, rows)
-        tally.enqueue_times.append(stamp)
-        tally.enqueue_counts.append(count)
-        tally.sent += count
-
-
-def _prune(engine: Engine, older_than: float, tally: _Tally, stop: threading.Event) -> None:
-    """What ``sqla-jobs prune --finished-older-than AGE`` run every second would do."""
-    while not stop.wait(1.0):
-        tally.pruned += queue.prune(engine, older_than=older_than, batch_size=5_000)
-
-
-def _vacuum(engine: Engine, every: float, tally: _Tally, stop: threading.Event) -> None:
-    """``VACUUM jobs`` every ``every`` seconds: autovacuum's work where the server's is off or too slow."""
-    while not stop.wait(every):
-        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
-            queue.driver(conn).bench_vacuum(conn)
-        tally.vacuums += 1
-
-
-def _collect(starts: Any, tally: _Tally, origin: float, window: float, stop: threading.Event) -> None:
-    while True:
-        try:
-            chunk = starts.get(timeout=0.2)
-        except queue_module.Empty:
-            if stop.is_set():
-                return
-            continue
-        tally.record_starts(chunk, origin, window)
-
-
-def _counts(engine: Engine) -> tuple[int, int]:
-    """Pending and running jobs: each count is served by its partial index."""
-    with engine.connect() as conn:
-        pending, running = (
-            conn.execute(select(func.count()).select_from(BenchJob).where(BenchJob.state == state)).scalar_one()
-            for state in ("pending", "running")
-        )
-    return pending, running
-
-
-def _table_figures(engine: Engine) -> dict[str, float]:
-    with engine.connect() as conn:
-        return queue.driver(conn).bench_table_stats(conn)
-
-
-def _progress(index: int, width: float, sample: dict[str, Any], tally: _Tally) -> str:
-    """A live line per window; the handler figures of the window before (complete by now) come in the report."""
-    figures = sample["figures"]
-    parts = []
-    if "table_bytes" in figures:
-        parts.append(f"table {figures['table_bytes'] / 1e6:.1f} MB + indexes {figures['index_bytes'] / 1e6:.1f} MB")
-    if "dead_tuples" in figures:
-        parts.append(f"{figures['dead_tuples']:.0f} dead tuples, {figures['autovacuum_count']:.0f} autovacuums")
-    size = "".join(", " + part for part in parts)
-    return (f"  {(index + 1) * width:6.0f}s {sample['phase']}: enqueued {tally.sent:,}, run {tally.unique:,}, "
-            f"pending {sample['pending']:,}{size}")
-
-
-def _percentile(values: array[float], p: int) -> float | None:
-    if len(values) < 2:
-        return values[0] if values else None
-    return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
-
-
-def _sample(engine: Engine, tally: _Tally, phase: str) -> dict[str, Any]:
-    """What the database says at a window's end; the handler figures are joined in once all are shipped."""
-    pending, running = _counts(engine)
-    return {"phase": phase, "pending": pending, "running": running, "pruned_total": tally.pruned,
-            "figures": _table_figures(engine)}
-
-
-def _windows(samples: list[dict[str, Any]], baseline: dict[str, float], tally: _Tally, origin: float,
-             width: float) -> list[Window]:
-    enqueued_by_window: dict[int, int] = {}
-    for stamp, count in zip(tally.enqueue_times, tally.enqueue_counts, strict=True):
-        index = int((stamp - origin) // width)
-        enqueued_by_window[index] = enqueued_by_window.get(index, 0) + count
-    windows = []
-    previous = baseline
-    for index, sample in enumerate(samples):
-        figures = sample["figures"]
-        latencies = tally.latency_by_window.get(index, array("d"))
-        counters = ("autovacuum_count", "autoanalyze_count", "vacuum_count")
-        runs = {key: figures[key] - previous.get(key, 0.0) for key in counters if key in figures}
-        previous = figures
-        windows.append(Window(
-            start=index * width, phase=sample["phase"],
-            enqueued_per_s=enqueued_by_window.get(index, 0) / width, run_per_s=len(latencies) / width,
-            pickup_p50_ms=_percentile(latencies, 50), pickup_p95_ms=_percentile(latencies, 95),
-            pickup_p99_ms=_percentile(latencies, 99), pickup_max_ms=max(latencies) if latencies else None,
-            pending=sample["pending"], running=sample["running"], pruned_total=sample["pruned_total"],
-            table_bytes=figures.get("table_bytes"), index_bytes=figures.get("index_bytes"),
-            live_tuples=figures.get("live_tuples"), dead_tuples=figures.get("dead_tuples"),
-            hot_update_share=figures.get("hot_update_share"),
-            autovacuum_runs=runs.get("autovacuum_count"), autoanalyze_runs=runs.get("autoanalyze_count"),
-            vacuum_runs=runs.get("vacuum_count"),
-        ))
-    return windows
-
-
 # -- the run ------------------------------------------------------------------------------
 
 
@@ -323,19 +176,19 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
             p.terminate()
         raise RuntimeError("a soak worker process did not start within 60 s (see its traceback above)")
     time.sleep(0.5)  # let them reach their idle wait
-    tally = _Tally()
+    tally = Tally()
     stop_producing, stop_pruning, stop_collecting = threading.Event(), threading.Event(), threading.Event()
     origin = time.time()
-    baseline = _table_figures(engine)
+    baseline = table_figures(engine)
     threads = [
-        threading.Thread(target=_produce, args=(engine, settings, tally, stop_producing), daemon=True),
-        threading.Thread(target=_collect, args=(starts, tally, origin, settings.window, stop_collecting), daemon=True),
+        threading.Thread(target=produce, args=(engine, settings.rate, tally, stop_producing), daemon=True),
+        threading.Thread(target=collect, args=(starts, tally, origin, settings.window, stop_collecting), daemon=True),
     ]
     if settings.prune_after is not None:
-        threads.append(threading.Thread(target=_prune, args=(engine, settings.prune_after, tally, stop_pruning),
+        threads.append(threading.Thread(target=prune, args=(engine, settings.prune_after, tally, stop_pruning),
                                         daemon=True))
     if settings.vacuum_every is not None:
-        threads.append(threading.Thread(target=_vacuum, args=(engine, settings.vacuum_every, tally, stop_pruning),
+        threads.append(threading.Thread(target=vacuum, args=(engine, settings.vacuum_every, tally, stop_pruning),
                                         daemon=True))
     for t in threads:
         t.start()
@@ -349,9 +202,9 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
             phase = "soak" if index * settings.window < settings.seconds - 1e-6 else "drain"
             if elapsed >= settings.seconds - 1e-6:
                 stop_producing.set()
-            sample = _sample(engine, tally, phase)
+            sample = sample_now(engine, tally, phase)
             samples.append(sample)
-            print(_progress(index, settings.window, sample, tally), file=sys.stderr, flush=True)
+            print(progress_line(index, settings.window, sample, tally), file=sys.stderr, flush=True)
             index += 1
             if elapsed >= settings.seconds - 1e-6:
                 threads[0].join(30)
@@ -373,13 +226,13 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
         stop_collecting.set()
         for t in threads:
             t.join(30)
-    pending, running = _counts(engine)
+    pending, running = pending_and_running(engine)
     with engine.connect() as conn:
         dead = conn.execute(select(func.count()).select_from(BenchDeadJob)).scalar_one()
     engine.dispose()
     unique = tally.unique
     return SoakReport(
-        windows=_windows(samples, baseline, tally, origin, settings.window),
+        windows=windows_of(samples, baseline, tally, origin, settings.window),
         totals={
             "enqueued": tally.sent, "run": unique, "missing": tally.sent - unique, "duplicates": tally.duplicates,
             "pending_left": pending, "running_left": running, "dead": dead, "pruned": tally.pruned,
