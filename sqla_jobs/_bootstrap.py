@@ -20,11 +20,11 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, DBAPIError, NoSuchModuleError
 
 from ._app import JobQueue
-from .drivers import driver_class, driver_class_of, normalise_url
+from .drivers import driver_class, normalise_url
 from .errors import ConfigError, ConnectionProblem, SchemaError
 
 __all__ = ["database_url", "is_async_url", "load_app", "load_worker_app", "make_async_engine", "make_engine",
-           "missing_database", "sync_engine_for", "sync_twin", "worker_pool_size"]
+           "missing_database", "sync_twin", "worker_pool_size"]
 
 
 def load_app(spec: str | None) -> JobQueue[Any, Any]:
@@ -144,21 +144,6 @@ def make_engine(raw: str | None, pool_size: int | None = None, *, create: bool =
         first = str(exc.orig).strip().splitlines()[0] if exc.orig else str(exc)
         raise ConnectionProblem(f"cannot reach the database at {url.render_as_string()}: {first}") from None
     return engine
-
-
-def sync_engine_for(bind: Any) -> Engine:
-    """``bind`` if it is a sync ``Engine``; for an ``AsyncEngine``, a sync engine on the same database
-    (its URL's sync twin), for the admin work that runs on plain connections (the dashboard, stats)."""
-    if isinstance(bind, Engine):
-        return bind
-    sync = getattr(bind, "sync_engine", None)
-    if not isinstance(sync, Engine):
-        raise ConfigError(f"expected a SQLAlchemy Engine or AsyncEngine, got {type(bind).__name__}")
-    url = driver_class_of(sync).sync_url(sync.url)
-    try:
-        return create_engine(url)
-    except (NoSuchModuleError, ImportError) as exc:
-        raise ConfigError(f"the sync twin of {url.render_as_string()!r}: {exc}") from None
 
 
 def is_async_url(raw: str | None) -> bool:

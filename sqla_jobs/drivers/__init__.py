@@ -52,8 +52,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, Engine, Table, text
+from sqlalchemy import Connection, Engine, Table, create_engine, text
 from sqlalchemy.engine import URL
+from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
@@ -81,6 +82,7 @@ __all__ = [
     "register",
     "registered",
     "stored_generated_dialects",
+    "sync_engine_for",
     "table_options",
 ]
 
@@ -196,3 +198,18 @@ def migration_imports() -> tuple[str, ...]:
 register(PostgreSQLDriver)
 register(SQLiteDriver)
 register(MySQLDriver)
+
+
+def sync_engine_for(bind: Any) -> Engine:
+    """``bind`` if it is a sync ``Engine``; for an ``AsyncEngine``, a sync engine on the same database
+    (its URL's sync twin), for the admin work that runs on plain connections (the dashboard, stats)."""
+    if isinstance(bind, Engine):
+        return bind
+    sync = getattr(bind, "sync_engine", None)
+    if not isinstance(sync, Engine):
+        raise ConfigError(f"expected a SQLAlchemy Engine or AsyncEngine, got {type(bind).__name__}")
+    url = driver_class_of(sync).sync_url(sync.url)
+    try:
+        return create_engine(url)
+    except (NoSuchModuleError, ImportError) as exc:
+        raise ConfigError(f"the sync twin of {url.render_as_string()!r}: {exc}") from None

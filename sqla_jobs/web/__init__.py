@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Engine
 
 from .._admin import Admin
-from .._bootstrap import sync_engine_for
+from ..drivers import sync_engine_for
 from ..errors import ConfigError
 from ._samples import KEEP, SAMPLE_INTERVAL, record_sample, samples_table
 

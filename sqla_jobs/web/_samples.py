@@ -46,9 +46,9 @@ from sqlalchemy import (
 )
 
 from .._admin import Admin
-from .._bootstrap import sync_engine_for
 from .._companion import companion_table
 from ..drivers import _dashboard as sql_dashboard
+from ..drivers import sync_engine_for
 
 __all__ = ["KEEP", "SAMPLE_INTERVAL", "due", "record_sample", "samples_table", "series"]
 
