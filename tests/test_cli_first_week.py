@@ -201,6 +201,8 @@ def test_one_flag_picks_the_workers_lanes_and_the_docs_say_so(db: Database) -> N
     assert "`--queues a,b` is a\n  shorthand for `--queue a --queue b`" in glossary
     cli = (ROOT / "docs" / "reference" / "cli.md").read_text()
     assert "a shorthand for `--queue Q1 --queue Q2`" in cli and "the worker's lanes" in cli
+    helped = " ".join(run_cli("worker", "--help").stdout.split())  # the help says it too, where it is read first
+    assert "a lane (a job's queue= name)" in helped and "shorthand for --queue a --queue b" in helped, helped
     for flags in (["--queue", "mail", "--queue", "reports"], ["--queues", "mail,reports"]):
         ids = {q: enqueue(db.engine, "noop", queue=q) for q in ("mail", "reports", "other")}
         result = run_cli("worker", "--burst", *flags, *APP, env=db.env())

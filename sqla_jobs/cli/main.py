@@ -140,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "the sum of the slots)")
     p.add_argument("--burst", action="store_true", help="run every due job, then exit 0")
     p.add_argument("--queue", action="append", metavar="NAME[=SLOTS]",
-                   help="take jobs from this queue (repeat for more); NAME=SLOTS gives the queue SLOTS threads "
-                        "of its own, so a busy queue never delays another (default: every queue, shared threads)")
-    p.add_argument("--queues", help="comma-separated queue names to take jobs from (default: all)")
+                   help="a lane (a job's queue= name) to take jobs from; repeat for more; NAME=SLOTS gives the "
+                        "lane SLOTS threads of its own, so a busy lane never delays another (default: every lane, "
+                        "shared threads). Not the app: that is --app")
+    p.add_argument("--queues", help="shorthand for --queue a --queue b: comma-separated lanes (default: all)")
     p.add_argument("--lease", type=positive(float), default=WorkerConfig.lease,
                    help="seconds a claim lasts without a heartbeat")
     p.add_argument("--heartbeat", type=positive(float), default=WorkerConfig.heartbeat,

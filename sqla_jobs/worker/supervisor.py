@@ -39,9 +39,9 @@ from sqlalchemy.exc import DBAPIError
 
 from .._app import JobQueue
 from ..errors import ConnectionProblem, SqlaJobsError
-from . import signals as _signals
 from .outcomes import hand_back_lost
 from .process import WorkerProcess, run_worker_process
+from .signals import SIGNALS, stop_signals
 
 __all__ = ["child_main", "supervise"]
 
@@ -57,7 +57,7 @@ class _Child:
         template = f"{prefix}:{{pid}}:{uuid.uuid4().hex[:6]}"
         # Started with the stop signals blocked (the mask is inherited): one that comes while the child
         # imports waits until child_main has its handlers, instead of killing it half-started.
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _signals.SIGNALS)
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         try:
             self.proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, process_group=0)
         finally:
@@ -89,7 +89,7 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
         for child in children:
             child.signal()
 
-    signals = _signals.stop_signals()
+    signals = stop_signals()
     if signals is not None:
         signals.attach("supervisor", forward, on_again=forward)
     if stopping:
@@ -168,8 +168,8 @@ def child_main() -> None:
     logging.basicConfig(level=spec.log_level, format=LOG_FORMAT)
     # Signals are still blocked (by the supervisor, inherited): a stop that came while this process
     # started waits here, and is handled (and logged) as a stop, not a kill.
-    _signals.stop_signals()
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals.SIGNALS)
+    stop_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     # The name's {pid} is this process's: WorkerConfig fills it in when it is made, so make it here.
     spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, name=name))
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="sqla-jobs-parent").start()
