@@ -24,10 +24,10 @@ from sqlalchemy import Engine, create_engine, make_url, text
 from sqlalchemy.engine import URL
 
 from tests import app
-from tests.suite_database import TEST_DATABASE, ensure_database
+from tests.suite_database import database_name, ensure_database
 
 ROOT = Path(__file__).resolve().parent.parent
-PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", f"postgresql+psycopg://postgres@127.0.0.1:5432/{TEST_DATABASE}")
+PG_URL = os.environ.get("SQLA_JOBS_TEST_PG_URL", f"postgresql+psycopg://postgres@127.0.0.1:5432/{database_name()}")
 MARIADB_URL = os.environ.get("SQLA_JOBS_TEST_MARIADB_URL", "mariadb+pymysql://root@127.0.0.1:3306/test?charset=utf8mb4")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

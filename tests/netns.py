@@ -1,7 +1,9 @@
 """Worker "hosts" on one machine: Linux network namespaces joined to the host by veth pairs.
 
 Each host is a network namespace ``sqjh<i>`` with one veth link to the
-root namespace: ``10.231.<i>.2`` inside, ``10.231.<i>.1`` outside. Processes
+root namespace: ``10.231.<i>.2`` inside, ``10.231.<i>.1`` outside. The numbers
+``i`` come from a slot held (``flock``) for as long as the hosts live, so test
+runs side by side (``pytest -n 4``) never make the same names or subnets. Processes
 started with ``Host.popen`` see only that link (and their own loopback), so
 they reach PostgreSQL only through ``10.231.<i>.1:5432``, where a ``socat``
 forwarder passes the connection on to the server on 127.0.0.1 (the server's
@@ -15,6 +17,7 @@ installs socat. ``problem()`` says what is missing.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import signal
@@ -29,6 +32,9 @@ from typing import Any
 from sqlalchemy.engine import make_url
 
 PG_PORT = 5432
+#: Hosts per slot, and slots on a machine: host numbers run from 0 to 255 (the third octet).
+SLOT_SIZE = 8
+SLOTS = 32
 
 
 def problem() -> str | None:
@@ -116,35 +122,56 @@ def _remove(index: int) -> None:
 
 
 @contextmanager
+def _slot() -> Iterator[int]:
+    """The first free slot, held until the block ends (a killed holder's lock goes with its process)."""
+    for slot in range(SLOTS):
+        handle = open(f"/tmp/sqla-jobs-netns-slot-{slot}.lock", "w")  # noqa: SIM115 - held across the yield
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            continue
+        try:
+            yield slot
+        finally:
+            handle.close()  # releases the lock
+        return
+    raise RuntimeError(f"all {SLOTS} network-namespace slots are taken: are {SLOTS} test runs making hosts?")
+
+
+@contextmanager
 def hosts(count: int, *, database_port: int = PG_PORT) -> Iterator[list[Host]]:
     """Make ``count`` hosts, each with a forwarder to the database; tear everything down afterwards.
 
-    The names and addresses are fixed (``sqjh<i>``, ``10.231.<i>.0/30``), so one set of hosts
-    exists at a time on a machine; leftovers of a killed run are removed first.
+    The names and addresses (``sqjh<i>``, ``10.231.<i>.0/30``) are those of a slot nobody else
+    holds; leftovers of a killed run in that slot are removed first.
     """
+    if count > SLOT_SIZE:
+        raise ValueError(f"at most {SLOT_SIZE} hosts at a time, not {count}")
     made: list[Host] = []
-    try:
-        with ExitStack() as forwarders:
-            try:
-                for i in range(count):
-                    _remove(i)
-                    ns, outside, inside = f"sqjh{i}", f"sqjo{i}", f"sqji{i}"
-                    gateway, address = f"10.231.{i}.1", f"10.231.{i}.2"
-                    _ip("netns", "add", ns)
-                    host = Host(i, ns, outside, gateway)
-                    made.append(host)
-                    _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
-                    _ip("link", "set", inside, "netns", ns)
-                    _ip("addr", "add", f"{gateway}/30", "dev", outside)
-                    _ip("link", "set", outside, "up")
-                    _ip("addr", "add", f"{address}/30", "dev", inside, ns=ns)
-                    _ip("link", "set", inside, "up", ns=ns)
-                    _ip("link", "set", "lo", "up", ns=ns)
-                    forwarders.enter_context(_forwarder(gateway, database_port))
-                yield made
-            finally:
-                for host in made:
-                    host.kill()
-    finally:
-        for host in made:
-            _remove(host.index)
+    with _slot() as slot:
+        try:
+            with ExitStack() as forwarders:
+                try:
+                    for i in range(slot * SLOT_SIZE, slot * SLOT_SIZE + count):
+                        _remove(i)
+                        ns, outside, inside = f"sqjh{i}", f"sqjo{i}", f"sqji{i}"
+                        gateway, address = f"10.231.{i}.1", f"10.231.{i}.2"
+                        _ip("netns", "add", ns)
+                        host = Host(i, ns, outside, gateway)
+                        made.append(host)
+                        _ip("link", "add", outside, "type", "veth", "peer", "name", inside)
+                        _ip("link", "set", inside, "netns", ns)
+                        _ip("addr", "add", f"{gateway}/30", "dev", outside)
+                        _ip("link", "set", outside, "up")
+                        _ip("addr", "add", f"{address}/30", "dev", inside, ns=ns)
+                        _ip("link", "set", inside, "up", ns=ns)
+                        _ip("link", "set", "lo", "up", ns=ns)
+                        forwarders.enter_context(_forwarder(gateway, database_port))
+                    yield made
+                finally:
+                    for host in made:
+                        host.kill()
+        finally:
+            for host in made:
+                _remove(host.index)

@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -166,7 +167,9 @@ def test_cancelling_the_task_that_runs_the_worker_lets_running_jobs_finish(db: D
 
 
 def test_stop_after_the_grace_period_gives_running_jobs_back(db: Database) -> None:
-    [job] = enqueue(db, ("async_hang", {"seconds": 0.4}, 3))
+    # A handler with no timeout of its own that would run for 30 s: only the grace period can end it,
+    # however slowly a loaded machine gets to the stop.
+    [job] = enqueue(db, ("async_record", {"sleep": 30}, 3))
 
     async def scenario(engine: AsyncEngine) -> None:
         worker = AsyncWorker(engine, queue, concurrency=2, poll_interval=0.05, grace=0.1)
@@ -176,9 +179,11 @@ def test_stop_after_the_grace_period_gives_running_jobs_back(db: Database) -> No
         worker.stop()
         await task
 
+    started = time.monotonic()
     run(db, scenario)
-    # Given back before its timeout: pending again, the interrupted attempt refunded.
+    # Given back at the end of the grace period: pending again, the interrupted attempt refunded.
     assert states(db)[job] == ("pending", 0)
+    assert time.monotonic() - started < 20, "the stop waited for the handler instead of giving its job back"
 
 
 def test_the_sync_engine_is_refused_with_a_pointer_to_worker(db: Database) -> None:

@@ -114,8 +114,10 @@ def test_cli_cancel_reaches_a_worker_process(db: Database) -> None:
     worker = _start_worker(db, "--lease", "3", "--heartbeat", "0.2")
     try:
         _wait_for(lambda: effects(db, job_id) == ["start"])
-        started = time.monotonic()
         result = run_cli("jobs", "cancel", str(job_id), *APP, env=db.env())
+        # From the request's commit, not from the command's start: a loaded machine takes seconds to
+        # start a Python process, which says nothing about how soon the worker hears of the request.
+        started = time.monotonic()
         assert result.returncode == 0, result.stderr
         assert "is running: cancel requested" in result.stdout
         assert "ignores it" in result.stdout  # the output says what happens then
@@ -140,7 +142,7 @@ def test_on_postgresql_the_request_arrives_before_the_next_heartbeat(pg: Databas
     """PostgreSQL: the cancel NOTIFYs, so a listening worker asks at once instead of at its next
     heartbeat (20 s away with the default 60 s lease)."""
     job_id = enqueue(pg, "cooperative", payload={"mode": "return"})
-    worker = Worker(pg.engine, queue, concurrency=2, poll_interval=5.0)  # neither polling nor heartbeats help
+    worker = Worker(pg.engine, queue, concurrency=2, poll_interval=30.0)  # neither polling nor heartbeats help
     thread = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
     thread.start()
     try:
@@ -150,7 +152,8 @@ def test_on_postgresql_the_request_arrives_before_the_next_heartbeat(pg: Databas
         started = time.monotonic()
         cancel(pg, job_id)
         _wait_for(lambda: job_row(pg, job_id).state == "cancelled", timeout=15)
-        assert time.monotonic() - started < 2.5  # the notification, not a heartbeat or a poll
+        # The notification, not a heartbeat (20 s away) or a poll (30 s): a bound with room for a loaded machine.
+        assert time.monotonic() - started < 10
     finally:
         worker.stop()
         thread.join(60)

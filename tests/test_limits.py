@@ -171,6 +171,7 @@ def test_four_processes_never_run_more_than_the_limit(db: Database, tmp_path: Pa
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # a measured rate: alone on the machine, as users run it
 def test_a_rate_holds_starts_to_its_pace(db: Database, tmp_path: Path) -> None:
     """20 starts a second (10 per 0.5 s) across 3 processes: the achieved rate, measured, within the bound."""
     limits_app.metadata.create_all(db.engine)

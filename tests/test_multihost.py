@@ -23,7 +23,8 @@ from sqlalchemy.orm import Session
 from tests import app, netns
 from tests.conftest import IN_CI, ROOT, Database, make_database
 
-pytestmark = pytest.mark.slow
+# Recovery within a lease is a time bound, and the hosts drain at full speed: alone, after the parallel phase.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 LEASE, HEARTBEAT = 3.0, 0.5
 

@@ -40,4 +40,7 @@ def test_quickstart_against_postgres(tmp_path: Path) -> None:
 def test_readme_has_exactly_two_setup_commands() -> None:
     text = (ROOT / "README.md").read_text()
     commands = re.findall(r"```sh\n(.*?)```", text, re.S)
-    assert [c.strip() for c in commands] == ['pip install . && sqla-jobs demo', 'pip install -e ".[test]" && pytest']
+    assert [c.strip() for c in commands] == [
+        'pip install . && sqla-jobs demo',
+        'pip install -e ".[test]" && pytest -n 4 -m "not serial" && pytest -m serial',
+    ]

@@ -42,6 +42,7 @@ def server_url(backend: str, tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'soak.db'}"
 
 
+@pytest.mark.serial  # a soak loads the machine on purpose and reports pickup latency per window
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite", "mariadb"])
 def test_soak_runs_every_job_once_and_reports_each_window(backend: str, tmp_path: Path) -> None:
     out = tmp_path / "results"

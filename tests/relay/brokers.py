@@ -106,22 +106,42 @@ class BrokerSpace:
     def cut_connections(self, proxy: Any = None, pid: int | None = None) -> None:
         """Cut the relay's broker connection: RabbitMQ closes it from the server side; NATS through ``proxy``.
 
-        ``rabbitmqctl`` takes seconds to start, long enough for a fast relay to finish its work first;
-        the relay process ``pid`` is paused meanwhile (SIGSTOP/SIGCONT: a slow process, not a dead
-        one), so the cut lands while it still has jobs to publish.
+        RabbitMQ closes only the connections of process ``pid`` (found by their client ports), so
+        relay tests running side by side (``pytest -n 4``) keep theirs. ``rabbitmqctl`` takes
+        seconds to start, long enough for a fast relay to finish its work first; the relay is
+        paused meanwhile (SIGSTOP/SIGCONT: a slow process, not a dead one), so the cut lands while
+        it still has jobs to publish.
         """
         if self.broker == "rabbitmq":
-            if pid is not None:
-                os.kill(pid, signal.SIGSTOP)
+            assert pid is not None, "RabbitMQ cuts the connections of one relay process"
+            os.kill(pid, signal.SIGSTOP)
             try:
-                subprocess.run(["rabbitmqctl", "close_all_connections", "relay test cuts the connection"],
-                               check=True, capture_output=True, timeout=60)
+                _close_rabbitmq_connections_of(pid)
             finally:
-                if pid is not None:
-                    os.kill(pid, signal.SIGCONT)
+                os.kill(pid, signal.SIGCONT)
         else:
             assert proxy is not None, "NATS connections are cut through a TcpProxy"
             proxy.cut()
+
+
+def _client_ports(pid: int, server_port: int) -> set[int]:
+    """The local ports of process ``pid``'s TCP connections to ``server_port`` (from ``ss``)."""
+    out = subprocess.run(["ss", "-tnpH", "state", "established", "dport", f"= :{server_port}"],
+                         check=True, capture_output=True, text=True, timeout=30).stdout
+    return {int(line.split()[2].rsplit(":", 1)[1]) for line in out.splitlines() if f"pid={pid}," in line}
+
+
+def _close_rabbitmq_connections_of(pid: int) -> None:
+    ports = _client_ports(pid, urlsplit(RABBITMQ_URL).port or 5672)
+    assert ports, f"process {pid} has no connection to RabbitMQ to cut"
+    listed = subprocess.run(["rabbitmqctl", "list_connections", "pid", "peer_port", "--no-table-headers", "-q"],
+                            check=True, capture_output=True, text=True, timeout=60).stdout
+    theirs = [line.split()[0] for line in listed.splitlines() if line.split()[-1:] and
+              line.split()[-1].isdigit() and int(line.split()[-1]) in ports]
+    assert theirs, f"RabbitMQ lists no connection from ports {ports}: {listed}"
+    for connection in theirs:
+        subprocess.run(["rabbitmqctl", "close_connection", connection, "relay test cuts the connection"],
+                       check=True, capture_output=True, timeout=60)
 
 
 async def _read_rabbitmq(space: BrokerSpace, expect: int, idle: float) -> list[Received]:

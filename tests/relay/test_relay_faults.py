@@ -3,7 +3,7 @@
 The large run uses ``SQLA_JOBS_TEST_RELAY_JOBS`` jobs (default 10,000, the
 issue's figure). The relay is a real ``sqla-jobs relay`` process; it is
 SIGKILLed in the middle of its work several times and its broker connection is
-cut (RabbitMQ: ``rabbitmqctl close_all_connections`` on the server; NATS:
+cut (RabbitMQ: ``rabbitmqctl close_connection`` on the server, for the relay's own; NATS:
 through a TCP proxy that resets the connection). Then every message is read
 back out of the broker and counted.
 """

@@ -54,6 +54,7 @@ def time_to_run(engine: Engine, ids: list[int]) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.serial  # a time bound: measured on a machine no other test is loading
 @pytest.mark.parametrize("concurrency", [8, 64])
 def test_jobs_run_within_2s_after_all_backends_are_terminated(pg: Database, workers: Workers,
                                                                concurrency: int) -> None:
@@ -74,6 +75,7 @@ def test_jobs_run_within_2s_after_all_backends_are_terminated(pg: Database, work
     assert set(states.values()) == {"finished"}
 
 
+@pytest.mark.serial  # a time bound, as above
 @pytest.mark.parametrize("mode", ["fast", "immediate"])
 def test_jobs_run_within_2s_after_each_server_restart(private_cluster: PrivateCluster, private_db: Database,
                                                        workers: Workers, mode: str) -> None:
