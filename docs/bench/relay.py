@@ -18,6 +18,7 @@ JetStream stream (file storage), and deletes them when it ends.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import statistics
@@ -59,6 +60,8 @@ def one_run(url: str, broker: str, jobs: int, batch: int, processes: int = 0) ->
         if processes:
             published = _in_processes(engine, space, routes, batch, processes)
         else:
+            gc.collect()  # as `sqla-jobs relay` does before it runs (sqla_jobs/cli/relay.py)
+            gc.freeze()
             published = Relay(engine, queue, space.target(routes), batch=batch).run(until_idle=True).published
         elapsed = time.perf_counter() - start
         if published != jobs:

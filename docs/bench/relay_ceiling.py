@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import statistics
 import sys
@@ -114,6 +115,8 @@ def ceiling(broker: str, count: int, window: int = 0) -> float:
     """Acknowledged messages/s of one run of ``count`` messages to ``broker`` (its own stream or exchange)."""
     space = BrokerSpace(broker)
     built = messages(count)
+    gc.collect()  # the same heap as the relay's run: start-up objects frozen (docs/bench/relay.py)
+    gc.freeze()
     try:
         return asyncio.run((_rabbitmq if broker == "rabbitmq" else _nats)(space, built, window))
     finally:
