@@ -25,8 +25,8 @@ from ._rabbitmq import without_password
 
 __all__ = ["NatsTarget"]
 
-#: Most messages awaiting their PubAck at once, for nats-py's own bound: two batches of the largest
-#: size the relay takes (it publishes the next batch while the last one's acks are on their way).
+#: Most messages awaiting their PubAck at once, for nats-py's own bound: what a relay holds in flight at
+#: its largest batch (2 batches of 10,000, sqla_jobs.relay._loop.in_flight), so it never waits on it.
 MAX_PENDING_ACKS = 20_000
 #: More than the relay's header block can take (``_wire_size``: the fixed names and lines, a job id, the
 #: kind and queue at their longest, 4 bytes a character): a body this far under max_payload needs no count.
