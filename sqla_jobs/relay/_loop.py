@@ -67,10 +67,10 @@ log = logging.getLogger("sqla_jobs.relay")
 
 #: Jobs a relay holds at once, claimed or awaiting their acks: batches claimed and published while earlier
 #: ones await theirs. One batch at a time left the broker idle during each claim and the database idle
-#: during each publish. On the 2-core test machine, batch 500, to NATS: 2 batches ~9,000 jobs/s, 4 ~12,000,
-#: 8 ~21,000, 12 and 16 no more (RabbitMQ gained from 8 too). A relay that dies leaves this many jobs at
-#: most to be published again once their leases run out, so large batches get fewer of them (2 at least:
-#: with one, nothing overlaps).
+#: during each publish. On the 2-core test machine, batch 500, to NATS: 4 batches 15,100-18,300 jobs/s,
+#: 8 batches 19,900-21,900, 12 and 16 no better (RabbitMQ gained from 8 too). A relay that dies leaves
+#: this many jobs at most to be published again once their leases run out, so large batches get fewer
+#: of them (2 at least: with one, nothing overlaps).
 IN_FLIGHT_JOBS = 4000
 
 
