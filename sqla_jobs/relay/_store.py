@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -111,9 +112,10 @@ class RelayStore(Store):
             self._finisher = None
 
     def _close_side(self) -> None:
-        if self._side is not None:
-            self._side.close()
-            self._side = None
+        side, self._side = self._side, None
+        if side is not None:
+            with contextlib.suppress(DBAPIError):  # the server already dropped it: nothing left to give back
+                side.close()
 
     def reap(self) -> None:
         """Hand back the jobs of a relay that died (lease expired) in this relay's queues."""
