@@ -3,10 +3,13 @@
 For each broker and each run: enqueue ``--jobs`` jobs in a scratch schema
 (dropped afterwards), then time one relay, in this process, from its start
 until the last job is finished (connect, claim, publish, wait for every
-broker ack, finish). Prints each run and the median per broker::
+broker ack, finish). In the same run, right before or after it (alternating),
+``relay_ceiling.py`` publishes the same number of the same messages through the
+same client with no database: the client's own ceiling. Prints each run, and
+per broker the medians and the ratio relay / ceiling::
 
     python docs/bench/relay.py [--url postgresql+psycopg://postgres@127.0.0.1:5432/test] \
-        [--brokers rabbitmq,nats] [--jobs 20000] [--batch 500] [--runs 3] [--processes N]
+        [--brokers rabbitmq,nats] [--jobs 20000] [--batch 500] [--runs 3] [--processes N] [--no-ceiling]
 
 Each run declares its own RabbitMQ exchange and durable queue, or its own
 JetStream stream (file storage), and deletes them when it ends.
@@ -15,6 +18,7 @@ JetStream stream (file storage), and deletes them when it ends.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import statistics
@@ -29,6 +33,7 @@ from sqlalchemy.orm import Session
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
+from docs.bench.relay_ceiling import ceiling
 from sqla_jobs.relay import Relay
 from tests.relay.brokers import NATS_URL, RABBITMQ_URL, BrokerSpace
 from tests.relay_app import queue
@@ -55,6 +60,8 @@ def one_run(url: str, broker: str, jobs: int, batch: int, processes: int = 0) ->
         if processes:
             published = _in_processes(engine, space, routes, batch, processes)
         else:
+            gc.collect()  # as `sqla-jobs relay` does before it runs (sqla_jobs/cli/relay.py)
+            gc.freeze()
             published = Relay(engine, queue, space.target(routes), batch=batch).run(until_idle=True).published
         elapsed = time.perf_counter() - start
         if published != jobs:
@@ -78,6 +85,10 @@ def _in_processes(engine: Engine, space: BrokerSpace, routes: dict[str, str], ba
     return sum(int(re.search(r"published (\d+)", line).group(1)) for line in lines)  # type: ignore[union-attr]
 
 
+def _runs(rates: list[float]) -> str:
+    return ", ".join(f"{r:.0f}" for r in rates)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
@@ -87,20 +98,38 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--processes", type=int, default=0,
                         help="run N `sqla-jobs relay` processes on the queue instead of one relay in this process")
+    parser.add_argument("--no-ceiling", dest="ceiling", action="store_false",
+                        help="skip the client's ceiling (relay_ceiling.py) in each run")
     args = parser.parse_args()
     brokers = [b for b in args.brokers.split(",") if b]
     how = f"{args.processes} relay process(es)" if args.processes else "one relay in this process"
     print(f"relay throughput: {args.jobs} jobs per run, batch {args.batch}, {how}, {args.runs} run(s); "
           f"RabbitMQ {RABBITMQ_URL.split('@')[-1]}, NATS {NATS_URL}")
     results: dict[str, list[float]] = {b: [] for b in brokers}
+    ceilings: dict[str, list[float]] = {b: [] for b in brokers}
+    turn = 0
     for run in range(args.runs):
         for broker in brokers if run % 2 == 0 else reversed(brokers):  # alternate who goes first
-            rate = one_run(args.url, broker, args.jobs, args.batch, args.processes)
-            results[broker].append(rate)
-            print(f"  run {run + 1} {broker:8s} {rate:8.0f} jobs/s", flush=True)
+            # The relay and its client's ceiling back to back, alternating which goes first, so both
+            # see the same machine (it is shared: its load moves from minute to minute).
+            steps = ["relay", "ceiling"] if args.ceiling else ["relay"]
+            for step in steps if turn % 2 == 0 else reversed(steps):
+                if step == "relay":
+                    rate = one_run(args.url, broker, args.jobs, args.batch, args.processes)
+                    results[broker].append(rate)
+                    print(f"  run {run + 1} {broker:8s} relay   {rate:8.0f} jobs/s", flush=True)
+                else:
+                    rate = ceiling(broker, args.jobs)
+                    ceilings[broker].append(rate)
+                    print(f"  run {run + 1} {broker:8s} ceiling {rate:8.0f} msgs/s", flush=True)
+            turn += 1
     for broker, rates in results.items():
-        print(f"{broker:8s} median {statistics.median(rates):8.0f} jobs/s  (runs: "
-              f"{', '.join(f'{r:.0f}' for r in rates)})")
+        line = f"{broker:8s} relay median {statistics.median(rates):8.0f} jobs/s  (runs: {_runs(rates)})"
+        if ceilings[broker]:
+            top = statistics.median(ceilings[broker])
+            line += (f"; ceiling median {top:8.0f} msgs/s (runs: {_runs(ceilings[broker])}); "
+                     f"ratio {statistics.median(rates) / top:.2f}")
+        print(line)
     return 0
 
 

@@ -7,6 +7,7 @@ broker clients (extras ``rabbitmq`` and ``nats``) load only when the command run
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 from collections.abc import Callable
 from typing import Any
@@ -100,6 +101,11 @@ def cmd_relay(args: argparse.Namespace) -> int:
                   confirm_timeout=args.confirm_timeout, name=args.name, listen=not args.no_listen)
     if signals is not None:  # a second signal exits at once; the jobs in flight go out again after their lease
         signals.attach(f"relay {relay.name}", relay.stop)
+    # The relay allocates objects for every message, and each full collection of the garbage collector
+    # also scanned the whole start-up heap (SQLAlchemy, the app, its models: some 90,000 objects): a sixth
+    # of a relay's time to NATS. Frozen, the collector looks only at what the relay itself allocates.
+    gc.collect()
+    gc.freeze()
     try:
         counts = relay.run(until_idle=args.until_idle)
     finally:

@@ -28,6 +28,10 @@ HEADER_KIND = "sqla-jobs-kind"
 HEADER_QUEUE = "sqla-jobs-queue"
 HEADER_ATTEMPT = "sqla-jobs-attempt"
 
+# One encoder for every message: json.dumps with non-default options builds a new encoder per call,
+# which was a tenth of the relay's publishing time.
+_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
 
 class BrokerUnavailable(Exception):
     """The broker cannot be reached or stopped answering: the whole batch waits, no attempt is counted."""
@@ -48,7 +52,7 @@ class Outgoing:
 
 def outgoing(job: Claimed) -> Outgoing:
     """The message for ``job``: its payload as the body, its identity in headers."""
-    body = json.dumps(job.payload, separators=(",", ":"), ensure_ascii=False).encode()
+    body = _encode(job.payload).encode()
     headers = {
         HEADER_ID: str(job.id),
         HEADER_KIND: job.kind,

@@ -9,18 +9,26 @@
   no table upkeep (the workers' elected leader does).
 * Its report counts ``RelayCounts`` and, for the common case, only tells the
   hooks: the relay never logged a line per published job.
+* Where the hot connection is in autocommit (PostgreSQL), the finish of the
+  acknowledged jobs runs on a second connection while the next claim runs on
+  the hot one: two statements the server runs side by side instead of one
+  after the other, since the two touch different rows (the relay's claims
+  and finishes were most of its time). Both are the worker's own statements.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import DBAPIError
 
 from .._app import JobEvent, JobQueue
-from ..drivers.base import Driver
+from ..drivers.base import Claimed, Driver, Fence
 from ..worker.outcomes import settle
 from ..worker.runs import Outcome
 from ..worker.store import Store
@@ -38,6 +46,76 @@ class RelayStore(Store):
         self.limits, self.limited_kinds, self.limits_table = [], [], None
         self.batch = batch
         self.counts = counts
+        self._finisher: ThreadPoolExecutor | None = None  # the thread of the second connection, once needed
+        self._side: Connection | None = None  # touched on that thread only
+
+    def finish_and_claim(self, ok: list[Outcome], limit: int, token: str, alone: bool,
+                         queues: Sequence[str] | None = None, plain: bool = True) -> tuple[list[Claimed], bool, bool]:
+        """The worker's ``finish_and_claim``, its finish on a second connection at the same time as the claim.
+
+        Failures keep the control loop's rules: a claim that fails raises, after the finishes that
+        committed are reported (marked written, so the retry does not write them again); a finish that
+        fails raises too, after the jobs just claimed are handed back (the outcome policy's ``shutdown``:
+        no attempt counted), so the retry finds both where they were.
+        """
+        if not ok or limit <= 0 or self.driver.hot_isolation != "AUTOCOMMIT":
+            return super().finish_and_claim(ok, limit, token, alone, queues, plain)
+        if self._finisher is None:
+            self._finisher = ThreadPoolExecutor(1, thread_name_prefix="sqla-jobs-relay-finish")
+        finishing = self._finisher.submit(self._finish, [o.job.fence for o in ok])
+        try:
+            claimed = super().finish_and_claim([], limit, token, alone, queues, plain)
+        except BaseException:
+            self._finished(ok, finishing, raise_error=False)
+            raise
+        try:
+            self._finished(ok, finishing, raise_error=True)
+        except BaseException:
+            self.hand_back([job.fence for job in claimed[0]])
+            raise
+        return claimed
+
+    def _finished(self, ok: list[Outcome], finishing: Future[set[int]], raise_error: bool) -> None:
+        """Wait for the finish and report it (on the control loop's thread, as ``Store`` reports)."""
+        try:
+            kept = finishing.result()
+        except BaseException:
+            if raise_error:
+                raise
+            return  # the claim's error is the one raised; the outcomes stay unwritten for the retry
+        for o in ok:
+            o.written = True
+            self.report(o, "finished" if o.job.id in kept else "lost")
+
+    def _finish(self, fences: list[Fence]) -> set[int]:
+        """The worker's fenced finish (its statement, with nothing to claim) on the second connection."""
+        if self._side is None:
+            self._side = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+        try:
+            kept, _, _ = self.driver.finish_and_claim(self._side, fences, 0, self.worker_name, "", self.lease,
+                                                      self.queues)
+        except DBAPIError:
+            side, self._side = self._side, None
+            try:
+                side.invalidate()
+                side.close()
+            except Exception:  # already broken: nothing left to give back
+                pass
+            raise
+        return kept
+
+    def close(self) -> None:
+        super().close()
+        if self._finisher is not None:
+            self._finisher.submit(self._close_side).result()
+            self._finisher.shutdown()
+            self._finisher = None
+
+    def _close_side(self) -> None:
+        side, self._side = self._side, None
+        if side is not None:
+            with contextlib.suppress(DBAPIError):  # the server already dropped it: nothing left to give back
+                side.close()
 
     def reap(self) -> None:
         """Hand back the jobs of a relay that died (lease expired) in this relay's queues."""
