@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Engine
@@ -119,8 +120,25 @@ def _filters(request: Request) -> dict[str, Any]:
     before = q.get("before") or None
     if before is not None and not before.isdigit():
         raise ConfigError(f"before must be a job id, got {before!r}")
+    after = q.get("after") or None
     return {"state": state, "kind": q.get("kind") or None, "queue": q.get("queue") or None,
-            "unique_key": q.get("unique_key") or None, "since": since, "before_id": int(before) if before else None}
+            "unique_key": q.get("unique_key") or None, "since": since, "before_id": int(before) if before else None,
+            "after": _parse_after(after) if after else None}
+
+
+def _after(row: Any) -> str:
+    """The cursor of the next page of pending jobs: the last row's place in claim order."""
+    run_at = row.run_at if row.run_at.tzinfo else row.run_at.replace(tzinfo=timezone.utc)
+    return f"{row.priority}~{run_at.isoformat()}~{row.id}"
+
+
+def _parse_after(text: str) -> tuple[int, datetime, int]:
+    try:
+        priority, run_at, last_id = text.split("~")
+        at = datetime.fromisoformat(run_at)
+        return int(priority), at if at.tzinfo else at.replace(tzinfo=timezone.utc), int(last_id)
+    except ValueError:
+        raise ConfigError(f"after must be priority~run_at~id (the next-page link's), got {text!r}") from None
 
 
 def jobs(request: Request) -> Response:
@@ -139,8 +157,11 @@ def jobs(request: Request) -> Response:
         rows = sql_dashboard.job_page(site.queue.driver(conn), conn, limit=PAGE_SIZE + 1, **filters)
     more = len(rows) > PAGE_SIZE
     rows = rows[:PAGE_SIZE]
-    params = {k: v for k, v in request.query_params.items() if k != "before" and v}
-    next_params = {**params, "before": str(rows[-1].id)} if more else None
+    params = {k: v for k, v in request.query_params.items() if k not in ("before", "after") and v}
+    next_params = None
+    if more:
+        cursor = {"after": _after(rows[-1])} if filters["state"] == "pending" else {"before": str(rows[-1].id)}
+        next_params = {**params, **cursor}
     return site.render(request, "jobs.html", rows=rows, states=STATES, params=params, next_params=next_params,
                        kinds=sorted(site.queue.handlers))
 
