@@ -143,6 +143,22 @@ def test_pending_jobs_page_in_claim_order_each_once(db: Database) -> None:
     assert bad.status_code == 400 and "after must be" in bad.text
 
 
+def test_every_timestamp_has_one_format(db: Database) -> None:
+    # ISO-8601 to the second, UTC: lists, a job's fields and its error history alike, on every backend.
+    done = enqueue(db.engine, "record")
+    run_burst(db.engine)
+    [dead_id] = kill(db)  # with its failure in `errors`
+    web = client(db)
+    moment = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+    stamps = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d[^<]*")
+    for page in (f"/jobs/{done}", "/jobs", "/dead", f"/jobs/{dead_id}"):
+        html = web.get(page).text
+        found = stamps.findall(html)
+        assert found, page
+        assert all(moment.fullmatch(s.split(" (")[0].strip()) for s in found), (page, found)
+    assert "attempt 1</strong> at " in web.get(f"/jobs/{dead_id}").text
+
+
 def test_job_page_shows_errors_per_attempt_timings_and_lease_owner(db: Database) -> None:
     job_id = enqueue(db.engine, "flaky", {"succeed_on": 3}, max_attempts=5)
     for _ in range(3):

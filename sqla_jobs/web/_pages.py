@@ -9,6 +9,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import unquote
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
@@ -27,6 +28,8 @@ from ._security import CSRF_COOKIE, Guard
 log = logging.getLogger("sqla_jobs.web")
 
 PAGE_SIZE = 50
+#: What the last action did, for the page it redirects to (read once, then deleted).
+FLASH_COOKIE = "sqla_jobs_flash"
 SPANS = {"hour": 3600.0, "day": 86400.0}
 
 
@@ -48,13 +51,17 @@ class Site:
 
     def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
         csrf = request.cookies.get(CSRF_COOKIE) or self.guard.new_csrf()
+        flash = request.cookies.get(FLASH_COOKIE)
         context.update(
+            flash=unquote(flash) if flash else None,
             title=self.title, csrf=csrf, can_act=self.guard.authorised(request), actions=self.guard.actions,
             needs_login=self.guard.needs_login, refresh=self.refresh, duration=format_duration,
         )
         response = self.templates.TemplateResponse(request, name, context, status_code=status_code)
         if CSRF_COOKIE not in request.cookies:
             response.set_cookie(CSRF_COOKIE, csrf, httponly=True, samesite="strict", path=_cookie_path(request))
+        if flash:
+            response.delete_cookie(FLASH_COOKIE, path=_cookie_path(request))
         return response
 
     def maybe_sample(self) -> None:

@@ -6,7 +6,7 @@
   if (!root || typeof uPlot === "undefined") { return; }
   var colours = ["#1d3557", "#e63946", "#2a9d8f", "#f4a261", "#6d597a", "#457b9d", "#8ab17d", "#b5838d"];
   var plots = {};
-  var axis = { from: null, to: null };  // the time axis of the latest data: first sample (or window start) to now
+  var axis = { from: null, to: null };  // the time axis of the latest data: the chosen window, ending now
   root.plots = plots;  // for the browser tests
 
   function draw(data) {
