@@ -66,8 +66,13 @@ def job_page(
     * ``since`` (created within that many seconds), without ``state`` or with an
       ended state: an ended job finished after it was created, so its rows are
       looked up by ``finished_at`` (index ``ix_<jobs>_finished``) and bounded by
-      the jobs that ended in the window, beside the pending and running ones;
-      otherwise a window with few jobs (an idle queue) walked the whole table.
+      the jobs that ended in the window; without ``state`` the pending and running
+      ones are read whole beside them (no index has their creation time: one would
+      cost every enqueue). Before, a window with few jobs (an idle queue) walked the whole table.
+
+    Not bounded by a page: a kind or queue (without ``state``), or ``cancelled``, that
+    is rare among a million ended jobs walks the primary key until a page is found;
+    docs/howto/dashboard.md says which index of your own makes that cheap.
 
     ``unique_key`` matches the key and its periods (``key@<period start>``), as ``jobs list`` does.
     """
@@ -115,9 +120,11 @@ def job_page(
                    t.c.finished_at >= driver.ago(since))
     if state is not None:
         return list(conn.execute(ended))
-    branches = [newest(t.c.state == "pending").subquery(), newest(t.c.state == "running").subquery(),
-                ended.subquery()]
-    merged = union_all(*(select(b) for b in branches)).subquery()
+    # The live jobs whole, neither sorted nor cut: a LIMIT under ORDER BY id made MariaDB walk the primary
+    # key for them (past every ended row) rather than read its `state`-led indexes and sort.
+    live = [select(*columns).where(*filters, t.c.state == s, *([] if before_id is None else [t.c.id < before_id]))
+            for s in ("pending", "running")]
+    merged = union_all(*live, select(ended.subquery())).subquery()
     return list(conn.execute(select(merged).order_by(merged.c.id.desc()).limit(limit)))
 
 
