@@ -36,7 +36,8 @@ PENDING, RUNNING, FINISHED = 2_000, 20, 40_000
 
 def rows() -> list[dict[str, Any]]:
     """The table: pending jobs created and due a week ago (the oldest ids; a quarter in queue `mail`, kinds in
-    thirds, a fifth at priority 1), a few running, then finished jobs, one every 6 s up to now."""
+    thirds, a fifth at priority 1), a few running, then ended jobs, one every 6 s up to now (1 in 2,000 cancelled:
+    a page of them is spread over the whole table)."""
     now = datetime.now(timezone.utc)
     week_ago = now - timedelta(days=7)
     out: list[dict[str, Any]] = []
@@ -52,7 +53,8 @@ def rows() -> list[dict[str, Any]]:
     for i in range(1, FINISHED + 1):
         at = now - timedelta(seconds=(FINISHED - i) * 6)
         out.append({"kind": f"kind_{i % 3}", "queue": "mail" if i % 4 == 0 else "default", "payload": {},
-                    "priority": 0, "state": "finished", "run_at": at, "created_at": at, "attempts": 1,
+                    "priority": 0, "state": "cancelled" if i % 2000 == 1 else "finished", "run_at": at,
+                    "created_at": at, "attempts": 1,
                     "locked_at": at, "finished_at": at + timedelta(seconds=1),
                     "unique_key": f"order-{i // 1000}" if i % 1000 == 0 else None})
     return [{"attempts": 0, "locked_at": None, "locked_by": None, "claim_token": None, "lease_expires_at": None,
@@ -62,7 +64,7 @@ def rows() -> list[dict[str, Any]]:
 #: Every list the dashboard links to: the state choices, the overview's per-queue and per-kind links
 #: (with state=pending), the filter form's fields and their combinations.
 LISTS = [
-    "/jobs", "/jobs?state=pending", "/jobs?state=running", "/jobs?state=finished",
+    "/jobs", "/jobs?state=pending", "/jobs?state=running", "/jobs?state=finished", "/jobs?state=cancelled",
     "/jobs?queue=mail&state=pending", "/jobs?kind=kind_1&state=pending", "/jobs?kind=kind_1&queue=mail&state=pending",
     "/jobs?queue=mail", "/jobs?kind=kind_1", "/jobs?state=finished&kind=kind_1&queue=mail",
     "/jobs?unique_key=order-7", "/jobs?unique_key=order-7&state=pending",
