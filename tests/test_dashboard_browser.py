@@ -118,6 +118,7 @@ def test_cancel_confirms_what_it_did(db: Database, browser: Any, site: str) -> N
     browser.get(site + "/login")
     browser.find_element(By.ID, "token").send_keys(TOKEN)
     click(browser, By.ID, "login")
+    assert shows(browser, "header", "actions enabled")  # logged in before the job page is asked for
     browser.get(site + f"/jobs/{job_id}")
     click(browser, By.ID, "action-cancel")
     click(browser, By.ID, "confirm")
