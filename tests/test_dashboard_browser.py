@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -132,10 +133,12 @@ def test_one_sample_draws_the_last_hour(db: Database, browser: Any) -> None:
     with serve(dashboard(db.engine, app.queue, refresh=1.0)) as url:
         browser.get(url + "/?span=hour")
         script = ("var p = (document.getElementById('charts').plots || {}).ready;"
-                  "return p ? [p.scales.x.min, p.scales.x.max, p.data[0].length] : null;")
-        x_min, x_max, points = wait(browser).until(lambda b: b.execute_script(script))
+                  "return p ? [p.scales.x.min, p.scales.x.max, p.data[0].length,"
+                  "            p.series[0].value(p, p.data[0][0])] : null;")
+        x_min, x_max, points, shown = wait(browser).until(lambda b: b.execute_script(script))
     now = time.time()
     assert points == 1
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", shown), shown  # the pages' one format
     assert abs(x_max - now) < 120 and abs(x_max - x_min - 3600) < 5, (x_min, x_max, now)  # not 2027 to 2029
 
 
