@@ -117,6 +117,48 @@ def test_keyset_pagination_walks_every_job_once(db: Database) -> None:
     assert seen == sorted(seen, reverse=True) and len(seen) == len(set(seen)) == 123
 
 
+def test_pending_jobs_page_in_claim_order_each_once(db: Database) -> None:
+    # Three priorities and runs of equal due times: the cursor (priority, run_at, id) must cross both.
+    due = datetime.now(timezone.utc) - timedelta(hours=1)
+    rows = [{"kind": "noop", "payload": {}, "priority": i % 3, "run_at": due + timedelta(seconds=i // 10)}
+            for i in range(123)]
+    with db.engine.begin() as conn:
+        conn.execute(app.Job.__table__.insert(), rows)
+        conn.execute(app.Job.__table__.insert().values(kind="noop", payload={}, state="finished"))  # not listed
+    web = client(db)
+    seen: list[int] = []
+    url: str | None = "/jobs?state=pending"
+    while url:
+        html = web.get(url).text
+        assert "In claim order" in html
+        seen += ids_on(html)
+        match = re.search(r'id="next" href="http://testserver([^"]+)"', html)
+        url = match.group(1).replace("&amp;", "&") if match else None
+    with db.engine.connect() as conn:
+        t = app.Job.__table__
+        expected = list(conn.scalars(select(t.c.id).where(t.c.state == "pending")
+                                     .order_by(t.c.priority.desc(), t.c.run_at, t.c.id)))
+    assert len(expected) == 123 and seen == expected
+    bad = web.get("/jobs", params={"state": "pending", "after": "1~yesterday~3"})
+    assert bad.status_code == 400 and "after must be" in bad.text
+
+
+def test_every_timestamp_has_one_format(db: Database) -> None:
+    # ISO-8601 to the second, UTC: lists, a job's fields and its error history alike, on every backend.
+    done = enqueue(db.engine, "record")
+    run_burst(db.engine)
+    [dead_id] = kill(db)  # with its failure in `errors`
+    web = client(db)
+    moment = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ")
+    stamps = re.compile(r"\d{4}-\d\d-\d\d[ T]\d\d:\d\d[^<]*")
+    for page in (f"/jobs/{done}", "/jobs", "/dead", f"/jobs/{dead_id}"):
+        html = web.get(page).text
+        found = stamps.findall(html)
+        assert found, page
+        assert all(moment.fullmatch(s.split(" (")[0].strip()) for s in found), (page, found)
+    assert "attempt 1</strong> at " in web.get(f"/jobs/{dead_id}").text
+
+
 def test_job_page_shows_errors_per_attempt_timings_and_lease_owner(db: Database) -> None:
     job_id = enqueue(db.engine, "flaky", {"succeed_on": 3}, max_attempts=5)
     for _ in range(3):

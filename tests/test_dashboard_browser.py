@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
+import time
 from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
@@ -104,8 +107,39 @@ def test_retry_a_dead_letter_after_logging_in(db: Database, browser: Any, site: 
     assert shows(browser, "#question", "back to the queue")
     click(browser, By.ID, "confirm")
     assert shows(browser, "#job-state", "pending")
+    assert text_of(browser, "#flash") == f"Done: requeued 1 job(s): {dead_id}"  # says what it did
     row = job(db.engine, dead_id)
     assert row is not None and row.state == "pending"
+    browser.refresh()  # said once: the next page has no stale confirmation
+    assert shows(browser, "#job-state", "pending") and not browser.find_elements(By.ID, "flash")
+
+
+def test_cancel_confirms_what_it_did(db: Database, browser: Any, site: str) -> None:
+    job_id = enqueue(db.engine, "record", run_at=datetime.now(timezone.utc) + timedelta(hours=1))
+    browser.get(site + "/login")
+    browser.find_element(By.ID, "token").send_keys(TOKEN)
+    click(browser, By.ID, "login")
+    assert shows(browser, "header", "actions enabled")  # logged in before the job page is asked for
+    browser.get(site + f"/jobs/{job_id}")
+    click(browser, By.ID, "action-cancel")
+    click(browser, By.ID, "confirm")
+    assert shows(browser, "#job-state", "cancelled")
+    assert "cancelled (it will never run)" in text_of(browser, "#flash")
+
+
+def test_one_sample_draws_the_last_hour(db: Database, browser: Any) -> None:
+    # A fresh dashboard: the overview writes its first sample, the chart shows the hour ending now.
+    enqueue(db.engine, "record")
+    with serve(dashboard(db.engine, app.queue, refresh=1.0)) as url:
+        browser.get(url + "/?span=hour")
+        script = ("var p = (document.getElementById('charts').plots || {}).ready;"
+                  "return p ? [p.scales.x.min, p.scales.x.max, p.data[0].length,"
+                  "            p.series[0].value(p, p.data[0][0])] : null;")
+        x_min, x_max, points, shown = wait(browser).until(lambda b: b.execute_script(script))
+    now = time.time()
+    assert points == 1
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", shown), shown  # the pages' one format
+    assert abs(x_max - now) < 120 and abs(x_max - x_min - 3600) < 5, (x_min, x_max, now)  # not 2027 to 2029
 
 
 def test_an_action_is_refused_without_the_credential(db: Database, browser: Any, site: str) -> None:

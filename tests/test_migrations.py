@@ -373,12 +373,12 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_partial_db.url).stdout
     [revision] = project.revisions()
     source = revision.read_text()
-    # Exactly the difference: ten columns, three new indexes, the claim index rebuilt in its new column
+    # Exactly the difference: ten columns, four new indexes, the claim index rebuilt in its new column
     # order, and on PostgreSQL the NOTIFY trigger; nothing created or dropped besides.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
     # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
-    expected = sorted(["add_column"] * 10 + ["create_index"] * 4 + ["drop_index"] + ["get_bind"] + trigger)
+    expected = sorted(["add_column"] * 10 + ["create_index"] * 5 + ["drop_index"] + ["get_bind"] + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
         ("app_dead_tasks", "errors"), ("app_dead_tasks", "unique_key"), ("app_tasks", "cancelled_at"),
@@ -389,6 +389,7 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     isolate = r"sa\.Column\('isolate', sa\.Boolean\(\), server_default=sa\.text\('\(?false\)?'\), nullable=False\)"
     assert re.search(isolate, upgrade), upgrade
     assert "op.create_index('ix_app_tasks_finished'" in upgrade
+    assert "op.create_index('ix_app_tasks_cancelled'" in upgrade  # the dashboard's cancelled list (issue 31)
     assert "add column app_tasks.errors" in out
 
     project.alembic("upgrade", "head")

@@ -8,14 +8,32 @@ statements; nothing here branches on the database. Every value a visitor types
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Connection, Integer, Table, cast, delete, func, insert, select
+from sqlalchemy import (
+    ColumnElement,
+    Connection,
+    Integer,
+    Select,
+    Table,
+    cast,
+    delete,
+    func,
+    insert,
+    or_,
+    select,
+    union_all,
+)
 
 from .base import Driver
 
 #: Characters of ``last_error`` a job list shows; the job page shows all of it.
 ERROR_PREVIEW = 200
+
+
+#: The states of a job that has ended: its ``finished_at`` is set (by the database clock, after it was created).
+ENDED = ("finished", "cancelled")
 
 
 def job_page(
@@ -28,38 +46,89 @@ def job_page(
     unique_key: str | None = None,
     since: float | None = None,
     before_id: int | None = None,
+    after: tuple[int, datetime, int] | None = None,
     limit: int = 50,
 ) -> list[Any]:
-    """Jobs newest first (by id), at most ``limit``, each with fewer columns than the table (no payload).
+    """One page of jobs, at most ``limit``, each with fewer columns than the table (no payload).
 
-    Keyset pagination: the next page starts ``before_id`` (the last id shown), so
-    page 1000 costs what page 1 costs, walking the primary key backwards; no
-    OFFSET and no COUNT over a million rows. ``since``: created within that many seconds.
+    Each list is read along an index that hands rows over in the page's order,
+    so a page costs about ``limit`` rows however large the table and wherever
+    the matching rows sit in it (docs/howto/dashboard.md, "Speed"):
+
+    * ``state="pending"``: in claim order (priority, then due time, then id:
+      next to run first), along the partial index ``ix_<jobs>_pending``; the
+      next page starts ``after`` the last row's ``(priority, run_at, id)``.
+      Walking the primary key instead read every finished row newer than the
+      pending ones: a million of them when a stopped worker left its jobs the oldest rows.
+    * any other list: newest first (by id), along the primary key, the next
+      page ``before_id`` (the last id shown): page 1000 costs what page 1 costs.
+      ``running`` is a few rows, read through its partial index.
+    * ``since`` (created within that many seconds), without ``state`` or with an
+      ended state: an ended job finished after it was created, so its rows are
+      looked up by ``finished_at`` (index ``ix_<jobs>_finished``) and bounded by
+      the jobs that ended in the window; without ``state`` the pending and running
+      ones come beside them, each state's newest page by the path its statistics
+      favour (no index has their creation time: one would cost every enqueue).
+      Before, a window with few jobs (an idle queue) walked the whole table.
+
+    Not bounded by a page: a kind or queue (without ``state``) that is rare among a
+    million ended jobs walks the primary key until a page is found (docs/howto/dashboard.md
+    says which index of your own makes that cheap); on MariaDB/MySQL, so does ``since``
+    without ``state`` when the pending jobs are few and the oldest rows.
+
     ``unique_key`` matches the key and its periods (``key@<period start>``), as ``jobs list`` does.
     """
     t = driver.jobs
-    stmt = (
-        select(
-            t.c.id, t.c.kind, t.c.queue, t.c.state, t.c.attempts, t.c.max_attempts, t.c.priority,
-            t.c.created_at, t.c.run_at, t.c.finished_at, t.c.locked_by, t.c.unique_key,
-            func.substr(t.c.last_error, 1, ERROR_PREVIEW).label("last_error"),
-        )
-        .order_by(t.c.id.desc())
-        .limit(limit)
+    columns = (
+        t.c.id, t.c.kind, t.c.queue, t.c.state, t.c.attempts, t.c.max_attempts, t.c.priority,
+        t.c.created_at, t.c.run_at, t.c.finished_at, t.c.locked_by, t.c.unique_key,
+        func.substr(t.c.last_error, 1, ERROR_PREVIEW).label("last_error"),
     )
-    if state is not None:
-        stmt = stmt.where(t.c.state == state)
+    filters: list[ColumnElement[bool]] = []
     if kind is not None:
-        stmt = stmt.where(t.c.kind == kind)
+        filters.append(t.c.kind == kind)
     if queue is not None:
-        stmt = stmt.where(t.c.queue == queue)
+        filters.append(t.c.queue == queue)
     if unique_key is not None:
-        stmt = stmt.where(driver.key_or_periods(unique_key))
+        filters.append(driver.key_or_periods(unique_key))
     if since is not None:
-        stmt = stmt.where(t.c.created_at >= driver.ago(since))
-    if before_id is not None:
-        stmt = stmt.where(t.c.id < before_id)
-    return list(conn.execute(stmt))
+        filters.append(t.c.created_at >= driver.ago(since))
+
+    def newest(*where: ColumnElement[bool]) -> Select[Any]:
+        stmt = select(*columns).where(*filters, *where).order_by(t.c.id.desc()).limit(limit)
+        return stmt if before_id is None else stmt.where(t.c.id < before_id)
+
+    def in_claim_order(*where: ColumnElement[bool]) -> Select[Any]:
+        return (select(*columns).where(t.c.state == "pending", *filters, *where)
+                .order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit))
+
+    if state == "pending":
+        if after is None:
+            return list(conn.execute(in_claim_order()))
+        priority, run_at, last_id = after
+        # Two ranges of the index, each read from where the last page stopped: the rest of the
+        # last row's priority, then the lower priorities. (A single OR of the two is not an index
+        # range: it read the index from its start, so page n cost n pages.) `run_at >= :run_at` is
+        # implied by the OR beside it; it is there to be the range.
+        same = in_claim_order(t.c.priority == priority, t.c.run_at >= run_at,
+                              or_(t.c.run_at > run_at, t.c.id > last_id)).subquery()
+        lower = in_claim_order(t.c.priority < priority).subquery()
+        both = union_all(select(same), select(lower)).subquery()
+        return list(conn.execute(select(both).order_by(both.c.priority.desc(), both.c.run_at, both.c.id)
+                                 .limit(limit)))
+    if since is None or state not in (None, *ENDED):
+        return list(conn.execute(newest() if state is None else newest(t.c.state == state)))
+    ended = newest(t.c.state.in_(ENDED) if state is None else t.c.state == state,
+                   t.c.finished_at >= driver.ago(since))
+    if state is not None:
+        return list(conn.execute(ended))
+    # Each state its own newest page, so the planner picks each one's path by its statistics: a few old
+    # pending jobs through their partial index, a large fresh backlog by the primary key. (Without the
+    # LIMIT, a fresh backlog was read whole: 58 ms for 300,000 against 9 ms. With it, MariaDB walks the
+    # primary key even for a few old pending jobs, as it did before: docs/howto/dashboard.md, "Speed".)
+    branches = [newest(t.c.state == "pending"), newest(t.c.state == "running"), ended]
+    merged = union_all(*(select(b.subquery()) for b in branches)).subquery()
+    return list(conn.execute(select(merged).order_by(merged.c.id.desc()).limit(limit)))
 
 
 def job_timings(driver: Driver, conn: Connection, job_id: int) -> Any:

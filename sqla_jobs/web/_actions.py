@@ -6,12 +6,14 @@ CSRF token (403), then a confirmation page: the first POST shows what will
 happen and a button that posts again with ``confirmed=1``. Only that second
 POST changes anything, in one transaction through the queue's own admin
 methods, so the dashboard follows the same rules as ``sqla-jobs jobs`` and
-``sqla-jobs dead``.
+``sqla-jobs dead``. Each says what it did: a page "Done" with the jobs it
+changed, or, for one job, the job's page with that line above it.
 """
 
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy.orm import Session
 from starlette.requests import Request
@@ -19,7 +21,7 @@ from starlette.responses import RedirectResponse, Response
 
 from ..drivers import _dashboard as sql_dashboard
 from ..errors import SqlaJobsError
-from ._pages import _cookie_path, _site
+from ._pages import FLASH_COOKIE, _cookie_path, _site
 from ._security import AUTH_COOKIE
 
 #: action -> (what the confirmation page asks, whether a kind may stand for ids)
@@ -76,7 +78,11 @@ async def act(request: Request) -> Response:
     except SqlaJobsError as exc:
         return site.render(request, "message.html", 409, heading="Not done", message=str(exc))
     if ids and len(ids) == 1 and name != "purge":
-        return RedirectResponse(request.url_for("job", job_id=ids[0]), status_code=303)
+        # Back to the job, which says what was done above it (the flash cookie, read once by the next page).
+        response = RedirectResponse(request.url_for("job", job_id=ids[0]), status_code=303)
+        response.set_cookie(FLASH_COOKIE, quote(done), max_age=60, httponly=True, samesite="strict",
+                            path=_cookie_path(request))
+        return response
     return site.render(request, "message.html", heading="Done", message=done)
 
 
@@ -84,12 +90,13 @@ def _run(site: Any, name: str, ids: list[int] | None, kind: str | None) -> str:
     queue = site.queue
     with Session(site.engine) as session, session.begin():
         if name == "cancel":
-            results = [f"job {i}: {queue.cancel(session, i)}" for i in ids or []]
-            return "; ".join(results)
+            said = {"cancelled": "cancelled (it will never run)",
+                    "requested": "asked to stop (it ends cancelled when its handler stops)"}
+            return "; ".join(f"job {i}: {said.get(r, r)}" for i in ids or [] for r in [queue.cancel(session, i)])
         if name == "retry":
             for i in ids or []:
                 queue.retry_now(session, i)
-            return f"due now: {', '.join(map(str, ids or []))}"
+            return f"made {len(ids or [])} job(s) due now: {', '.join(map(str, ids or []))}"
         if name == "requeue":
             moved = queue.requeue_dead(session, ids=ids, kind=None if ids else kind)
             return f"requeued {len(moved)} job(s)" + (f": {', '.join(map(str, moved))}" if moved else "")

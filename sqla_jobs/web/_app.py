@@ -17,6 +17,7 @@ from starlette.templating import Jinja2Templates
 from .._admin import Admin
 from ..errors import ConfigError
 from . import _actions, _pages
+from ._format import when
 from ._samples import KEEP, SAMPLE_INTERVAL
 from ._security import Guard
 
@@ -46,6 +47,7 @@ def build(
                   allow_anonymous_actions=allow_anonymous_actions, **({"secret": secret} if secret else {}))
     here = resources.files(__package__ or "sqla_jobs.web")
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(here / "templates")), autoescape=True)
+    env.filters["when"] = when  # the one timestamp format of every page (sqla_jobs.web._format)
     templates = Jinja2Templates(env=env)
     site = _pages.Site(engine, queue, guard, templates, title=title, refresh=refresh,
                        sample_interval=sample_interval, keep=keep, record=record_samples)

@@ -7,7 +7,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
+from urllib.parse import unquote
 
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
@@ -26,6 +28,8 @@ from ._security import CSRF_COOKIE, Guard
 log = logging.getLogger("sqla_jobs.web")
 
 PAGE_SIZE = 50
+#: What the last action did, for the page it redirects to (read once, then deleted).
+FLASH_COOKIE = "sqla_jobs_flash"
 SPANS = {"hour": 3600.0, "day": 86400.0}
 
 
@@ -47,13 +51,17 @@ class Site:
 
     def render(self, request: Request, name: str, status_code: int = 200, **context: Any) -> Response:
         csrf = request.cookies.get(CSRF_COOKIE) or self.guard.new_csrf()
+        flash = request.cookies.get(FLASH_COOKIE)
         context.update(
+            flash=unquote(flash) if flash else None,
             title=self.title, csrf=csrf, can_act=self.guard.authorised(request), actions=self.guard.actions,
             needs_login=self.guard.needs_login, refresh=self.refresh, duration=format_duration,
         )
         response = self.templates.TemplateResponse(request, name, context, status_code=status_code)
         if CSRF_COOKIE not in request.cookies:
             response.set_cookie(CSRF_COOKIE, csrf, httponly=True, samesite="strict", path=_cookie_path(request))
+        if flash:
+            response.delete_cookie(FLASH_COOKIE, path=_cookie_path(request))
         return response
 
     def maybe_sample(self) -> None:
@@ -119,8 +127,25 @@ def _filters(request: Request) -> dict[str, Any]:
     before = q.get("before") or None
     if before is not None and not before.isdigit():
         raise ConfigError(f"before must be a job id, got {before!r}")
+    after = q.get("after") or None
     return {"state": state, "kind": q.get("kind") or None, "queue": q.get("queue") or None,
-            "unique_key": q.get("unique_key") or None, "since": since, "before_id": int(before) if before else None}
+            "unique_key": q.get("unique_key") or None, "since": since, "before_id": int(before) if before else None,
+            "after": _parse_after(after) if after else None}
+
+
+def _after(row: Any) -> str:
+    """The cursor of the next page of pending jobs: the last row's place in claim order."""
+    run_at = row.run_at if row.run_at.tzinfo else row.run_at.replace(tzinfo=timezone.utc)
+    return f"{row.priority}~{run_at.isoformat()}~{row.id}"
+
+
+def _parse_after(text: str) -> tuple[int, datetime, int]:
+    try:
+        priority, run_at, last_id = text.split("~")
+        at = datetime.fromisoformat(run_at)
+        return int(priority), at if at.tzinfo else at.replace(tzinfo=timezone.utc), int(last_id)
+    except ValueError:
+        raise ConfigError(f"after must be priority~run_at~id (the next-page link's), got {text!r}") from None
 
 
 def jobs(request: Request) -> Response:
@@ -139,8 +164,11 @@ def jobs(request: Request) -> Response:
         rows = sql_dashboard.job_page(site.queue.driver(conn), conn, limit=PAGE_SIZE + 1, **filters)
     more = len(rows) > PAGE_SIZE
     rows = rows[:PAGE_SIZE]
-    params = {k: v for k, v in request.query_params.items() if k != "before" and v}
-    next_params = {**params, "before": str(rows[-1].id)} if more else None
+    params = {k: v for k, v in request.query_params.items() if k not in ("before", "after") and v}
+    next_params = None
+    if more:
+        cursor = {"after": _after(rows[-1])} if filters["state"] == "pending" else {"before": str(rows[-1].id)}
+        next_params = {**params, **cursor}
     return site.render(request, "jobs.html", rows=rows, states=STATES, params=params, next_params=next_params,
                        kinds=sorted(site.queue.handlers))
 

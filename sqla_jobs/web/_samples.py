@@ -136,8 +136,10 @@ def series(
     when a day is drawn. Where no sample was written for longer than two sample
     ``interval``s (nobody looked, the dashboard was down), a point of ``None``
     values marks the gap, so a chart shows it instead of a straight line across.
-    ``from``/``to``: the time axis, from the first sample (or the span's start,
-    if the samples are older) to now, and never shorter than a minute.
+    ``from``/``to``: the time axis, the chosen window ending now (``span`` seconds):
+    the first sample is drawn where it was taken in it. (Drawn from the first
+    sample, one sample gave a minute-wide "last hour"; uPlot left to itself
+    spread a single point over years.)
     """
     table = samples_table(queue)
     step = span / _MAX_POINTS
@@ -161,6 +163,4 @@ def series(
     out: dict[str, dict[str, list[float | None]]] = defaultdict(dict)
     for name, label in keys:
         out[name][label] = [values.get((name, label)) for _, values in columns]
-    start = max(now - span, columns[0][0]) if columns else now - span
-    return {"times": [round(at) for at, _ in columns], "series": out,
-            "from": round(min(start, now - 60)), "to": round(now)}
+    return {"times": [round(at) for at, _ in columns], "series": out, "from": round(now - span), "to": round(now)}

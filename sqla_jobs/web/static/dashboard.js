@@ -6,8 +6,14 @@
   if (!root || typeof uPlot === "undefined") { return; }
   var colours = ["#1d3557", "#e63946", "#2a9d8f", "#f4a261", "#6d597a", "#457b9d", "#8ab17d", "#b5838d"];
   var plots = {};
-  var axis = { from: null, to: null };  // the time axis of the latest data: first sample (or window start) to now
+  var axis = { from: null, to: null };  // the time axis of the latest data: the chosen window, ending now
   root.plots = plots;  // for the browser tests
+
+  function iso(seconds) { return new Date(seconds * 1000).toISOString().slice(0, 19) + "Z"; }
+  // The axis ticks in UTC too, not in the browser's time zone.
+  function utc(seconds) { return uPlot.tzDate(new Date(seconds * 1000), "Etc/UTC"); }
+  // Ticks as the hour and minute of that format (24-hour, UTC), not uPlot's "8:20pm 12/3/26".
+  function ticks(u, splits) { return splits.map(function (v) { return iso(v).slice(11, 16); }); }
 
   function draw(data) {
     axis.from = data.from; axis.to = data.to;
@@ -25,12 +31,14 @@
       if (plots[name] && plots[name].key === key) { plots[name].setData(columns); return; }
       if (plots[name]) { plots[name].destroy(); }
       el.textContent = "";
-      var series = [{}].concat(labels.map(function (l, i) {
+      // The time column as every page writes a moment (sqla_jobs.web._format): ISO-8601 to the second, UTC.
+      var series = [{ label: "time (UTC)", value: function (u, v) { return v == null ? "-" : iso(v); } }]
+        .concat(labels.map(function (l, i) {
         // A null value is a period without samples: drawn as a gap, not a straight line across it.
         return { label: l || name, stroke: colours[i % colours.length], width: 2, spanGaps: false };
       }));
-      var plot = new uPlot({ width: Math.max(300, el.clientWidth), height: 200, series: series,
-                             axes: [{}, { size: 60 }], scales: {
+      var plot = new uPlot({ width: Math.max(300, el.clientWidth), height: 200, series: series, tzDate: utc,
+                             axes: [{ values: ticks }, { size: 60 }], scales: {
                                x: { time: true, range: function (u, min, max) {
                                  return axis.from === null ? [min, max] : [axis.from, axis.to]; } },
                                y: { range: function (u, min, max) { return [0, Math.max(1, max * 1.1)]; } } } },
