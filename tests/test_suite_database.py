@@ -6,8 +6,11 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
-from sqlalchemy import create_engine, make_url, text
+from sqlalchemy import Connection, create_engine, make_url, text
 
 from tests.conftest import PG_URL, ROOT, require_postgres
 from tests.suite_database import ensure_database
@@ -28,36 +31,33 @@ def test_the_default_url_names_the_suites_own_database() -> None:
     assert make_url(result.stdout.strip()).database == "sqla_jobs_test_gw3"
 
 
-def test_a_missing_database_is_created_once_and_said_so() -> None:
+@contextmanager
+def probe_database() -> Iterator[tuple[str, str, Connection]]:
+    """(name, URL, an autocommit connection to the server's ``postgres``) of a database that does not
+    exist yet; dropped afterwards if a test made it."""
     require_postgres()
     name = f"sqla_jobs_probe_{uuid.uuid4().hex[:8]}"
-    url = make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
     admin = create_engine(make_url(PG_URL).set(database="postgres"), isolation_level="AUTOCOMMIT")
     try:
+        with admin.connect() as conn:
+            try:
+                yield name, make_url(PG_URL).set(database=name).render_as_string(hide_password=False), conn
+            finally:
+                conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
+    finally:
+        admin.dispose()
+
+
+def test_a_missing_database_is_created_once_and_said_so() -> None:
+    with probe_database() as (name, url, conn):
         note = ensure_database(url)
         assert note is not None and repr(name) in note and "created" in note
-        with admin.connect() as conn:
-            assert conn.scalar(text("select 1 from pg_database where datname = :n"), {"n": name}) == 1
+        assert conn.scalar(text("select 1 from pg_database where datname = :n"), {"n": name}) == 1
         assert ensure_database(url) is None  # there already: nothing created, nothing said
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-        admin.dispose()
 
 
 def test_test_workers_starting_together_create_a_database_once() -> None:
     """pytest -n 4 starts four test workers at once; a fifth run's worker may want the same database."""
-    require_postgres()
-    from concurrent.futures import ThreadPoolExecutor
-
-    name = f"sqla_jobs_probe_{uuid.uuid4().hex[:8]}"
-    url = make_url(PG_URL).set(database=name).render_as_string(hide_password=False)
-    admin = create_engine(make_url(PG_URL).set(database="postgres"), isolation_level="AUTOCOMMIT")
-    try:
-        with ThreadPoolExecutor(6) as pool:
-            notes = list(pool.map(lambda _: ensure_database(url), range(6)))
-        assert sum(note is not None for note in notes) == 1, notes
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}"'))
-        admin.dispose()
+    with probe_database() as (_, url, _conn), ThreadPoolExecutor(6) as pool:
+        notes = list(pool.map(lambda _: ensure_database(url), range(6)))
+    assert sum(note is not None for note in notes) == 1, notes
