@@ -173,7 +173,10 @@ def test_while_the_broker_is_down_jobs_wait_untouched_then_all_arrive(
     wait_for(lambda: counts(relay_pg).get("finished", 0) >= 600, 60, "the second run under way")
     proxy.upstream = ("127.0.0.1", closed_port())
     proxy.cut()
-    time.sleep(4)
+    # The batches in flight go back (each within its confirm timeout, then the control loop's write: a
+    # loaded machine may take seconds), and nothing more is claimed while the broker stays down.
+    wait_for(lambda: counts(relay_pg).get("running", 0) == 0, 30, "the batches in flight to go back")
+    time.sleep(3)
     stalled = counts(relay_pg)
     assert stalled["dead"] == 0 and stalled.get("running", 0) == 0, stalled
     proxy.upstream = up
