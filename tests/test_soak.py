@@ -42,7 +42,8 @@ def server_url(backend: str, tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'soak.db'}"
 
 
-@pytest.mark.serial  # a soak loads the machine on purpose and reports pickup latency per window
+# Not in the serial phase: at 40 jobs/s a soak barely loads the machine, and it asserts no time or speed (its
+# producer catches up after a late tick, so the count of jobs it enqueued holds under the parallel phase's load).
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite", "mariadb"])
 def test_soak_runs_every_job_once_and_reports_each_window(backend: str, tmp_path: Path) -> None:
     out = tmp_path / "results"
