@@ -69,8 +69,11 @@ def engine() -> Engine:
             # SQLite: 48 handler threads share one write lock with the workers; on a loaded machine
             # the driver's 5 s default wait is too short, and a "database is locked" would be a
             # (charged) handler failure, which the exactly-once tests would count as a second attempt.
-            options = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
-            _engine = create_engine(url, **options)
+            options: dict[str, Any] = {"connect_args": {"timeout": 60}} if url.startswith("sqlite") else {}
+            # As many connections as the default pool allows at once (5 + 10 overflow), all kept: with the
+            # overflow, every connection a handler returned beyond the fifth was closed and the next handler
+            # opened a new one, and those connects were two thirds of a worker process's CPU.
+            _engine = create_engine(url, pool_size=15, max_overflow=0, **options)
         return _engine
 
 

@@ -24,8 +24,6 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from psycopg import pq as psycopg_pq
-
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
@@ -91,13 +89,15 @@ class PgAsyncListener:
         ``notifies()`` generator: the notification is read and the worker woken in the same turn of
         the loop in which the socket became readable (the generator took one turn more).
         """
+        from psycopg import pq  # here: processes on other databases never load psycopg
+
         loop = asyncio.get_running_loop()
         lost: asyncio.Future[None] = loop.create_future()
 
         def readable() -> None:
             try:
                 pgconn.consume_input()  # raises when the server closed the connection (or the network died)
-                if pgconn.status != psycopg_pq.ConnStatus.OK:
+                if pgconn.status != pq.ConnStatus.OK:
                     raise ConnectionError("the LISTEN connection was closed")
             except Exception as exc:
                 if not lost.done():

@@ -48,18 +48,19 @@ says so, step 2 takes nothing, and the row is made the portable way
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psycopg
-from psycopg import pq as psycopg_pq
 from sqlalchemy import Connection, Table
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.util import await_only
 
 from ..base import Claimed
 from . import partitions
-from .claim import _CLAIM_PLANNER, _CLAIM_PLANNER_RESTORE, CLAIMED
+from .claim import _CLAIM_PLANNER, _CLAIM_PLANNER_RESTORE, CLAIMED, in_transaction, is_async
 from .notify import pg_name
+
+if TYPE_CHECKING:
+    import psycopg
 
 __all__ = ["Statements", "claim_capped", "finish_and_claim_capped", "statements"]
 
@@ -137,7 +138,7 @@ def _rows(conn: Connection, work: list[tuple[str, Any]], own: bool) -> list[list
     (what the worker's retry loop expects)."""
     raw = conn.connection.driver_connection
     try:
-        if isinstance(raw, psycopg.AsyncConnection):  # the async worker: we run in its control greenlet
+        if is_async(raw):  # the async worker: we run in its control greenlet
             return list(await_only(_run_async(raw, work, own)))
         return _run(raw, work, own)
     except Exception as exc:
@@ -231,7 +232,7 @@ def _run(raw: Any, work: list[tuple[str, Any]], own: bool) -> list[list[Any]]:
                 if own:
                     raw.execute("COMMIT")
         except Exception:
-            if own and raw.info.transaction_status != psycopg_pq.TransactionStatus.IDLE and not raw.closed:
+            if own and in_transaction(raw):
                 raw.execute("ROLLBACK")  # a failed statement left the transaction open: end it
             raise
         return [c.fetchall() if c.description else [] for c in cursors]
@@ -254,7 +255,7 @@ async def _run_async(raw: psycopg.AsyncConnection[Any], work: list[tuple[str, An
                 if own:
                     await raw.execute("COMMIT")
         except Exception:
-            if own and raw.info.transaction_status != psycopg_pq.TransactionStatus.IDLE and not raw.closed:
+            if own and in_transaction(raw):
                 await raw.execute("ROLLBACK")
             raise
         return [await c.fetchall() if c.description else [] for c in cursors]

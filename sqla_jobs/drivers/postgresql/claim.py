@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import psycopg
-from psycopg import pq as psycopg_pq
 from sqlalchemy.util import await_only
 
-__all__ = ["CLAIMED", "run_claim"]
+if TYPE_CHECKING:
+    import psycopg
+
+# psycopg is imported where it is used, not at the top: SQLite and MariaDB processes never load it (0.05 s a start).
+
+__all__ = ["CLAIMED", "in_transaction", "is_async", "run_claim"]
 
 # The claim must walk ix_<table>_pending in claim order and stop after `limit` rows. The planner
 # takes that plan only when its statistics say the backlog is large, and a queue table's often do
@@ -39,9 +42,23 @@ SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priori
 """
 
 
+def is_async(raw: Any) -> bool:
+    """Whether ``raw`` is psycopg's ``AsyncConnection`` (the async worker's, or ``queue.aio``'s)."""
+    import psycopg
+
+    return isinstance(raw, psycopg.AsyncConnection)
+
+
+def in_transaction(raw: Any) -> bool:
+    """Whether psycopg connection ``raw`` is open and inside a transaction (a failed statement left one open)."""
+    from psycopg import pq
+
+    return raw.info.transaction_status != pq.TransactionStatus.IDLE and not raw.closed
+
+
 def run_claim(raw: Any, sql: str, params: dict[str, Any]) -> list[Any]:
     """The claim statement's rows, planned with the settings above, on psycopg connection ``raw``."""
-    if isinstance(raw, psycopg.AsyncConnection):  # the async worker: we run in its control greenlet, so await
+    if is_async(raw):  # the async worker: we run in its control greenlet, so await
         return await_only(_run_claim_async(raw, sql, params))
     if raw.autocommit and hasattr(raw, "pipeline"):  # the worker's hot connection (psycopg 3): one round trip
         with raw.cursor() as control, raw.cursor() as cursor:
@@ -52,7 +69,7 @@ def run_claim(raw: Any, sql: str, params: dict[str, Any]) -> list[Any]:
                     cursor.execute(sql, params)
                     control.execute("COMMIT")
             except Exception:
-                if raw.info.transaction_status != psycopg_pq.TransactionStatus.IDLE and not raw.closed:
+                if in_transaction(raw):
                     raw.execute("ROLLBACK")  # a failed statement left the transaction open: end it
                 raise
             return cursor.fetchall()
@@ -76,7 +93,7 @@ async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str, params: 
                     await cursor.execute(sql, params)
                     await control.execute("COMMIT")
             except Exception:
-                if raw.info.transaction_status != psycopg_pq.TransactionStatus.IDLE and not raw.closed:
+                if in_transaction(raw):
                     await raw.execute("ROLLBACK")
                 raise
             return await cursor.fetchall()

@@ -20,7 +20,6 @@ from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
-import psycopg
 from sqlalchemy import (
     Connection,
     Engine,
@@ -44,7 +43,7 @@ from sqlalchemy.util import await_only
 from ...errors import ConfigError
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
-from . import capped, keepalive, partitions
+from . import capped, claim, keepalive, partitions
 from .async_listen import PgAsyncListener
 from .bench import PgBench
 from .claim import CLAIMED, run_claim
@@ -55,6 +54,7 @@ from .schema import PgSchema
 from .vacuum import PgVacuum
 
 if TYPE_CHECKING:
+    import psycopg
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_trigger_name"]
@@ -322,7 +322,7 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
         for columns, batch in self._insert_batches(rows):
             sql = f"COPY {target} ({', '.join(columns)}) FROM STDIN"
             values = ([r[c] for c in columns] for r in batch)
-            if isinstance(raw, psycopg.AsyncConnection):  # queue.aio: we run in run_sync's greenlet, so await
+            if claim.is_async(raw):  # queue.aio: we run in run_sync's greenlet, so await
                 await_only(_copy_async(raw, sql, values))
             else:
                 with raw.cursor().copy(sql) as copy:  # type: ignore[union-attr]
