@@ -132,6 +132,17 @@ def sleep(payload: dict[str, Any]) -> None:
     record("finish")
 
 
+@queue.handler("timed")
+def timed(payload: dict[str, Any]) -> None:
+    """Sleeps ``sleep`` seconds, then appends its run (job id, attempt, pid, start, end: the wall clock) to the
+    file ``payload["runs"]``: a record a database outage during the run cannot lose or hold up."""
+    started = time.time()
+    time.sleep(payload.get("sleep", 0))
+    job = current_job()
+    with open(payload["runs"], "a") as runs:
+        runs.write(f"{job.id} {job.attempt} {os.getpid()} {started} {time.time()}\n")
+
+
 @queue.handler("hang", timeout=0.5)
 def hang(payload: dict[str, Any]) -> None:
     record("start")

@@ -130,8 +130,20 @@ class Endings:
         )
         return True
 
-    def expired(self, conn: Connection, limit: int = 100) -> list[Any]:
-        """Running jobs whose lease ran out (their worker died or lost the database)."""
+    def expired(self, conn: Connection, limit: int = 100, settle: float = 0.0) -> list[Any]:
+        """Running jobs whose lease ran out (their worker died or lost the database).
+
+        None while the database server has been up for less than ``settle`` seconds (the reaper gives
+        its lease): when the server comes back from an outage longer than the lease, every lease has run
+        out while its worker, alive and mid-handler, could not renew it. Reaped then, each job would run
+        a second time beside its first run, with an attempt charged. A live worker renews within half a
+        second of the server's return (``worker/reconnect.py``); a worker that really died is reaped
+        once the server has been up that long.
+        """
+        if settle > 0:
+            uptime = self.server_uptime(conn)
+            if uptime is not None and uptime < settle:
+                return []
         t = self.jobs
         stmt = (
             select(t.c.id, t.c.kind, t.c.queue, t.c.attempts, t.c.max_attempts, t.c.claim_token, t.c.locked_by,

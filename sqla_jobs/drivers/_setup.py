@@ -234,6 +234,12 @@ class Setup:
         """Whether ``exc`` means the connection (or the server) is gone, not that a statement failed."""
         return isinstance(exc, DBAPIError) and exc.connection_invalidated
 
+    @classmethod
+    def is_read_only(cls, exc: BaseException) -> bool:
+        """Whether ``exc`` says the server takes no writes (a standby, a server switched to read-only):
+        the worker waits for a writable one and charges no attempt (nothing by default)."""
+        return False
+
     def is_conflict(self, exc: BaseException) -> bool:
         """Whether ``exc`` says the transaction lost a race with another one (a deadlock, a
         serialization failure): nothing is wrong, and running the transaction again is the cure."""

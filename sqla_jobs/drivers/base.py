@@ -150,6 +150,14 @@ class Driver(Setup, Operations, Uniqueness, Flow, Endings):
         """``later - earlier`` in seconds, as a float, computed by the database."""
         raise NotImplementedError
 
+    def server_uptime(self, conn: Connection) -> float | None:
+        """Seconds since the database server started; None where there is no server (SQLite).
+
+        The lease reaper waits after a start (``expired``'s ``settle``): an outage stops every
+        worker's heartbeats, so right after it every lease looks run out although its worker lives.
+        """
+        return None
+
     # -- transactions and schema ------------------------------------------------
 
     @contextmanager

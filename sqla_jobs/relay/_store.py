@@ -121,7 +121,7 @@ class RelayStore(Store):
         """Hand back the jobs of a relay that died (lease expired) in this relay's queues."""
         driver, queues = self.driver, set(self.queues or ())
         with driver.write(self.engine) as conn:
-            rows = [r for r in driver.expired(conn, limit=self.batch * 4) if r.queue in queues]
+            rows = [r for r in driver.expired(conn, limit=self.batch * 4, settle=self.lease) if r.queue in queues]
             for row in rows:
                 settle(driver, conn, (row.id, row.claim_token), "relay_lost", row.attempts, row.max_attempts,
                        error=f"RelayLost: relay {row.locked_by} stopped before the broker acknowledged",

@@ -24,7 +24,8 @@ Rules it keeps (module docstring of ``sqla_jobs.worker.worker`` for the whole st
 * a job whose last worker was lost runs alone: nothing else is claimed while
   it runs, and once one is waiting the worker drains to claim it alone;
 * after a database error, the next try waits ``Store.retry_pause``; outcomes
-  not yet written stay in memory meanwhile;
+  not yet written stay in memory meanwhile; back, it renews its leases first,
+  and does not reap for one lease (nobody could renew during the outage);
 * stopping: no more claims; running jobs get ``grace`` seconds, then are handed back;
 * nothing is claimed while the executor is not ``accepting`` (the relay's
   ``PublishExecutor`` while its broker is unreachable: the jobs wait pending).
@@ -87,6 +88,7 @@ class Control:
         self._isolation_wanted = False
         self._next_prune = 0.0
         self._next_upkeep = 0.0
+        self._reap_after = 0.0  # no reaping before (monotonic): set on the return from a database outage
         self._next_progress = 0.0
         # Per-queue slots: when each queue found empty may be asked again (monotonic time).
         self._empty_until: dict[str, float] = {}
@@ -116,6 +118,7 @@ class Control:
         grace_ends: float | None = None
         db_retry_at = 0.0
         db_failures = 0
+        read_only = False  # the last database error said the server takes no writes
         while True:
             self.wake.clear()  # before looking, so a wake-up during this turn is not lost
             ex.collect(self._add_unwritten)
@@ -128,8 +131,12 @@ class Control:
                          self.name, self.config.grace, ex.live_count)
             if now >= db_retry_at:
                 try:
-                    if now >= next_heartbeat:
-                        self._heartbeat_and_reap()
+                    if db_failures:
+                        # Back from a database error: renew our leases first, the outage may have let them
+                        # run out. Nobody could renew meanwhile, so the others get a lease to do it too.
+                        self._reap_after = now + self.config.lease
+                    if now >= next_heartbeat or db_failures:
+                        self._heartbeat_and_reap(now)
                         next_heartbeat = now + self.config.heartbeat_every
                     if self._should_prune(now):
                         deleted = self.store.prune(self.config.prune_after or 0.0, PRUNE_BATCH)
@@ -141,13 +148,21 @@ class Control:
                         self.store.write_progress(ex.take_progress())
                     claimed = self._exchange(self._should_write(now), self._claims_due(now))
                     if db_failures:
-                        log.warning("worker %s: database is back", self.name)
+                        log.warning("worker %s: database is back%s", self.name, " and writable" if read_only else "")
                     db_failures = 0
+                    read_only = False
                 except DATABASE_ERRORS as exc:
                     db_failures += 1
                     pause = self.store.retry_pause(exc, db_failures)
                     db_retry_at = time.monotonic() + pause
-                    if db_failures <= 5 or db_failures % 60 == 0:  # a long outage: not one line per second
+                    if self.store.driver.is_read_only(exc):
+                        if not read_only:  # one line: it may last a while, and every try fails the same way
+                            log.warning("worker %s: the database takes no writes (a standby, or switched to "
+                                        "read-only): nothing is claimed or written, and no attempt is charged, "
+                                        "until a writable server answers; trying every %.0fs. %s",
+                                        self.name, pause, str(exc).splitlines()[0])
+                        read_only = True
+                    elif db_failures <= 5 or db_failures % 60 == 0:  # a long outage: not one line per second
                         log.warning("worker %s: database error, retrying in %.1fs: %s",
                                     self.name, pause, str(exc).splitlines()[0])
                     claimed = 0
@@ -305,7 +320,7 @@ class Control:
         if jobs:
             ex.flush()
 
-    def _heartbeat_and_reap(self) -> None:
+    def _heartbeat_and_reap(self, now: float) -> None:
         ex = self.executor
         held = [run.job.fence for run in ex.live()]
         held += [o.job.fence for o in self._unwritten if o.result not in ("committed", "lost")]  # no longer ours
@@ -318,7 +333,9 @@ class Control:
                 if run is not None and not run.abandoned and ex.abandon(run):
                     log.warning("job %d %s: lease lost while running; its result will be discarded",
                                 run.job.id, run.job.kind)
-        if self.maintenance.renew():  # the elected worker reaps for all (sqla_jobs.leader)
+        # The elected worker reaps for all (sqla_jobs.leader); not within a lease of its own return from an
+        # outage (the server's own restart: Driver.expired), when live workers' leases may have run out.
+        if self.maintenance.renew() and now >= self._reap_after:
             self.store.reap()
             if time.monotonic() >= self._next_upkeep:
                 self.store.upkeep()

@@ -5,7 +5,8 @@ restart, a failover, a killed connection) is not the job's fault, so it is
 not charged (docs/guarantees.md, "Database outages"). The rule: the attempt
 counts as interrupted by an outage when, on the handler's thread and during
 that attempt, SQLAlchemy saw a connection to the queue database drop (its
-dialect calls the error a disconnect) or fail to open. "The queue database"
+dialect calls the error a disconnect), fail to open, or refuse a write because
+the server takes none (a standby, a server switched to read-only). "The queue database"
 is any engine with the same backend, host, port and database name as the
 worker's engine, so a handler's own engine on that database counts, and any
 other database the handler talks to does not: its errors are the handler's.
@@ -30,6 +31,9 @@ from sqlalchemy import Engine, event
 from sqlalchemy.engine import URL, ExceptionContext
 from sqlalchemy.exc import DBAPIError
 
+from ..drivers import driver_class_of
+from ..errors import ConfigError
+
 __all__ = ["database_key", "watch"]
 
 DatabaseKey = tuple[Any, ...]
@@ -48,8 +52,17 @@ def _note(ctx: ExceptionContext) -> None:
         return
     # No connection at all means it could not be opened (refused, timed out, server starting up).
     unreachable = ctx.connection is None and isinstance(ctx.sqlalchemy_exception, DBAPIError)
-    if ctx.is_disconnect or unreachable:
+    # A server that takes no writes (a standby, switched to read-only) fails the handler as an outage would.
+    if ctx.is_disconnect or unreachable or _read_only(ctx):
         watching.add(database_key(ctx.engine.url))
+
+
+def _read_only(ctx: ExceptionContext) -> bool:
+    try:
+        driver = driver_class_of(ctx.dialect)
+    except ConfigError:  # a database sqla-jobs has no driver for: not the queue's
+        return False
+    return driver.is_read_only(ctx.sqlalchemy_exception)
 
 
 event.listen(Engine, "handle_error", _note)

@@ -12,7 +12,10 @@ from sqlalchemy import Engine
 
 from ..drivers import Driver
 
-__all__ = ["database_answers", "retry_pause"]
+__all__ = ["READ_ONLY_PAUSE", "database_answers", "retry_pause"]
+
+#: Seconds between tries while the database takes no writes.
+READ_ONLY_PAUSE = 1.0
 
 
 def database_answers(engine: Engine) -> bool:
@@ -33,10 +36,17 @@ def retry_pause(driver: Driver, engine: Engine, exc: BaseException, failures: in
     so if a connection can be had, the next try runs at once. Only while the
     server does not answer does the worker wait, at most half a second between
     tries, so it is back within half a second of the server (each try is one
-    refused connect: cheap for both). Other errors (a deadlock, a full pool)
+    refused connect: cheap for both). A server that takes no writes is asked
+    again every second, on new connections. Other errors (a deadlock, a full pool)
     back off exponentially, and so does a disconnect that keeps coming back
     although the server answers.
     """
+    if driver.is_read_only(exc):
+        # A standby, or a server switched to read-only: during a failover the writable server may be another
+        # host of the URL (libpq's target_session_attrs=read-write picks it), so the pool's connections are
+        # let go and the next try opens new ones.
+        engine.dispose(close=False)
+        return READ_ONLY_PAUSE
     if not driver.is_disconnect(exc):
         return min(30.0, 0.25 * 2 ** min(failures, 7))
     if failures <= 3 and database_answers(engine):

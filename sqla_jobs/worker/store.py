@@ -264,9 +264,11 @@ class Store:
 
     def reap(self) -> None:
         """Hand back jobs whose worker vanished, by the outcome policy's ``lost`` (the lost attempt counts,
-        and the job's next run is alone in its worker process)."""
-        hand_back_lost(self.queue, self.engine, self.driver, self.driver.expired,
-                  "worker {row.locked_by} stopped heartbeating (lease expired)")
+        and the job's next run is alone in its worker process). Not in the first lease after the database
+        server started (``Driver.expired``): live workers renew then what an outage let run out."""
+        hand_back_lost(self.queue, self.engine, self.driver,
+                       lambda conn: self.driver.expired(conn, settle=self.lease),
+                       "worker {row.locked_by} stopped heartbeating (lease expired)")
 
     def upkeep(self) -> None:
         """The table's own upkeep (``Driver.upkeep``: the coming days' partitions of a partitioned table).

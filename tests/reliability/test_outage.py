@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
+from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, create_engine, text
@@ -18,7 +20,7 @@ from tests.conftest import Database
 
 from .cluster import PrivateCluster
 from .conftest import Workers, via
-from .harness import WorkerProc, all_settled, check_invariants, effects, enqueue, job, wait_for
+from .harness import WorkerProc, all_settled, check_invariants, effects, enqueue, job, states, wait_for
 from .proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -99,6 +101,74 @@ def test_server_restart_under_load(private_cluster: PrivateCluster, private_db: 
         assert worker.stop() == 0
     states = check_invariants(engine, ids, workers.logs())
     assert set(states.values()) == {"finished"}
+
+
+def test_an_outage_longer_than_the_lease_charges_nothing_and_runs_nothing_twice(
+    private_cluster: PrivateCluster, private_db: Database, workers: Workers, tmp_path: Path
+) -> None:
+    """The server goes down for twice the lease while handlers run, with ``max_attempts=1`` (issue 32).
+
+    Every running job's lease runs out during the outage while its worker lives and its handler goes on.
+    When the server is back the reaper gives live workers a lease to renew before it reaps, so nothing is
+    handed back under a live run: nothing dead-lettered, every job run once, no two runs of a job at once.
+    """
+    engine = private_db.engine
+    runs = tmp_path / "runs"  # the handlers' record: a file, which the outage cannot take away
+    pool = [workers(private_db.url, concurrency=3) for _ in range(2)]  # harness FAST: 2 s lease, 0.5 s heartbeat
+    ids = enqueue(engine, "timed", {"sleep": 6.0, "runs": str(runs)}, n=12, max_attempts=1)
+    wait_for(lambda: list(states(engine, ids).values()).count("running") == 6, 30, "six jobs to be running")
+    private_cluster.stop("fast")
+    time.sleep(4.0)  # twice the lease: the running jobs' leases run out; their handlers run on
+    private_cluster.start()
+    wait_for(lambda: all_settled(engine, ids), 90, "every job to finish after the outage")
+    for worker in pool:
+        assert worker.alive(), "a worker died instead of reconnecting"
+        assert worker.stop() == 0
+    final = check_invariants(engine, ids, workers.logs())
+    assert set(final.values()) == {"finished"}, f"not all finished (dead-lettered by the outage?): {final}"
+    lines = [line.split() for line in runs.read_text().splitlines()]
+    assert Counter(int(line[0]) for line in lines) == dict.fromkeys(ids, 1), f"a job ran twice: {lines}"
+    assert {int(line[1]) for line in lines} == {1}
+    with engine.connect() as conn:
+        charged = conn.execute(text("select id, attempts from jobs where id = any(:ids) and attempts <> 1"),
+                               {"ids": ids}).all()
+    assert not charged, f"attempts charged by the outage: {charged}"
+
+
+def _read_only(engine: Engine, on: bool) -> None:
+    """Switch the server's default_transaction_read_only (what a standby's sessions see), for every session."""
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        conn.execute(text("SET default_transaction_read_only = off"))  # this session stays writable
+        conn.execute(text(f"ALTER SYSTEM SET default_transaction_read_only = {'on' if on else 'off'}"))
+        conn.execute(text("SELECT pg_reload_conf()"))
+
+
+def test_a_read_only_server_is_waited_out_without_charging_attempts(
+    private_cluster: PrivateCluster, private_db: Database, workers: Workers
+) -> None:
+    """The server takes no writes for twice the lease mid-drain (a standby; an operator's switch), with
+    ``max_attempts=1`` (issue 32): one clear line per worker, nothing claimed meanwhile, no attempt charged
+    for the handlers' refused writes, no lease reaped under a live worker, and the drain resumes."""
+    engine = private_db.engine
+    pool = [workers(private_db.url, concurrency=2) for _ in range(2)]  # harness FAST: 2 s lease
+    ids = enqueue(engine, "record", {"sleep": 0.3}, n=40, max_attempts=1)
+    wait_for(lambda: len(effects(engine, event="finish")) >= 4, 30, "the workers to get going")
+    _read_only(engine, True)
+    try:
+        time.sleep(1.0)  # the runs under way end, their writes refused
+        finished = list(states(engine, ids).values()).count("finished")
+        time.sleep(3.0)
+        assert list(states(engine, ids).values()).count("finished") == finished, "a write went through"
+    finally:
+        _read_only(engine, False)
+    wait_for(lambda: all_settled(engine, ids), 90, "every job to finish once the server is writable")
+    for worker in pool:
+        assert worker.alive(), "a worker died instead of waiting"
+        assert worker.log().count("takes no writes") == 1, worker.log()
+        assert "database is back and writable" in worker.log()
+        assert worker.stop() == 0
+    final = check_invariants(engine, ids, workers.logs())
+    assert set(final.values()) == {"finished"}, f"not all finished (charged for the read-only time?): {final}"
 
 
 def test_pool_exhausted_by_transactional_handlers_does_not_kill_the_worker(pg: Database) -> None:

@@ -91,6 +91,11 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
     def is_disconnect(self, exc: BaseException) -> bool:
         return isinstance(exc, DBAPIError) and (exc.connection_invalidated or _error_code(exc) in _GONE)
 
+    @classmethod
+    def is_read_only(cls, exc: BaseException) -> bool:
+        # running with --read-only / super_read_only; a read-only transaction; innodb_read_only
+        return _error_code(exc) in {1290, 1792, 1836}
+
     def is_conflict(self, exc: BaseException) -> bool:
         return _error_code(exc) in {1213, 1205}  # deadlock found; lock wait timeout (InnoDB rolls back)
 
@@ -110,6 +115,10 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
     def seconds_between(self, later: Any, earlier: Any) -> ColumnElement[float]:
         micros = func.timestampdiff(literal_column("MICROSECOND"), earlier, later)
         return type_coerce(micros / literal_column("1000000.0"), Float())
+
+    def server_uptime(self, conn: Connection) -> float | None:
+        row = conn.execute(text("SHOW GLOBAL STATUS LIKE 'Uptime'")).first()  # MariaDB and MySQL alike
+        return float(row[1]) if row is not None else None
 
     # -- transactions and schema -------------------------------------------------------
 

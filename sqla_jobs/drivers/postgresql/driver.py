@@ -192,6 +192,11 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
     def is_disconnect(self, exc: BaseException) -> bool:
         return keepalive.is_disconnect(exc)
 
+    @classmethod
+    def is_read_only(cls, exc: BaseException) -> bool:
+        # read_only_sql_transaction: a hot standby, or default_transaction_read_only switched on
+        return getattr(getattr(exc, "orig", exc), "sqlstate", None) == "25006"
+
     # -- time, wake-up -------------------------------------------------------
 
     def now(self) -> ColumnElement[datetime]:
@@ -202,6 +207,9 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
 
     def seconds_between(self, later: Any, earlier: Any) -> ColumnElement[float]:
         return func.extract("epoch", later - earlier)
+
+    def server_uptime(self, conn: Connection) -> float | None:
+        return float(conn.scalar(select(self.seconds_between(func.now(), func.pg_postmaster_start_time()))))
 
     def notify(self, conn: Connection) -> None:
         conn.execute(select(func.pg_notify(self._channel, "")))
