@@ -143,6 +143,18 @@ def timed(payload: dict[str, Any]) -> None:
         runs.write(f"{job.id} {job.attempt} {os.getpid()} {started} {time.time()}\n")
 
 
+@queue.handler("patient")
+def patient(payload: dict[str, Any]) -> None:
+    """Runs ``first`` seconds on attempt 1 and ``later`` on the others, or until told it is cancelled, then appends
+    its run (job id, attempt, pid, start, end, ``cancelled`` or ``done``) to the file ``payload["runs"]``."""
+    job = current_job()
+    started = time.time()
+    job.cancelled.wait(payload["first"] if job.attempt == 1 else payload["later"])
+    ended = "cancelled" if job.cancelled.is_set() else "done"
+    with open(payload["runs"], "a") as runs:
+        runs.write(f"{job.id} {job.attempt} {os.getpid()} {started} {time.time()} {ended}\n")
+
+
 @queue.handler("hang", timeout=0.5)
 def hang(payload: dict[str, Any]) -> None:
     record("start")

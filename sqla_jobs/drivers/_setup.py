@@ -94,6 +94,9 @@ class Setup:
     stores_generated_columns: ClassVar[bool] = False
     #: Imports an alembic revision needs for this backend's column types (``render_type``).
     migration_imports: ClassVar[tuple[str, ...]] = ()
+    #: Whether a worker stops its handlers when it cannot renew their leases (``worker/fencing.py``): a
+    #: network lies between worker and server. Not for a database file, where a late heartbeat is a busy lock.
+    self_fencing: ClassVar[bool] = True
 
     @classmethod
     def dialect_names(cls) -> tuple[str, ...]:

@@ -96,6 +96,7 @@ class SQLiteDriver(Driver):
     label = "SQLite"
     async_drivers = (("sqlite", "sqlite+aiosqlite"), ("sqlite+pysqlite", "sqlite+aiosqlite"))
     partial_indexes = True
+    self_fencing = False
 
     # -- class level ---------------------------------------------------------------
 

@@ -27,6 +27,8 @@ Rules it keeps (module docstring of ``sqla_jobs.worker.worker`` for the whole st
   not yet written stay in memory meanwhile; back, it renews its leases first,
   and does not reap for one lease (nobody could renew during the outage);
 * stopping: no more claims; running jobs get ``grace`` seconds, then are handed back;
+* a run whose lease went unrenewed for 2/3 of it is stopped (``LeaseGuard``); nothing is claimed
+  until a heartbeat succeeds, and then the stopped jobs are handed back;
 * nothing is claimed while the executor is not ``accepting`` (the relay's
   ``PublishExecutor`` while its broker is unreachable: the jobs wait pending).
 """
@@ -45,6 +47,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from ..drivers.base import Claimed, Fence
 from .config import WorkerConfig
 from .executor import Executor, Outcome
+from .fencing import LeaseGuard
 from .maintenance import Maintenance
 from .store import Store
 
@@ -62,6 +65,9 @@ PROGRESS_EVERY = 1.0
 #: Least seconds between cancel checks prompted by notifications (a busy enqueuer notifies often).
 CANCEL_CHECK_EVERY = 0.5
 
+READ_ONLY_LINE = ("worker %s: the database takes no writes (a standby, or switched to read-only): nothing is "
+                  "claimed or written, and no attempt is charged, until a writable server answers; trying every "
+                  "%.0fs. %s")
 #: One claim to make this turn: the queues it takes from (None: the worker's) and how many jobs at most.
 Claim = tuple[Sequence[str] | None, int]
 
@@ -89,6 +95,7 @@ class Control:
         self._next_prune = 0.0
         self._next_upkeep = 0.0
         self._reap_after = 0.0  # no reaping before (monotonic): set on the return from a database outage
+        self.guard = LeaseGuard(executor, config.lease, config.worker_name, store.driver.self_fencing)
         self._next_progress = 0.0
         # Per-queue slots: when each queue found empty may be asked again (monotonic time).
         self._empty_until: dict[str, float] = {}
@@ -112,6 +119,10 @@ class Control:
 
     def run(self, burst: bool) -> None:
         """Turn until stopped (or, with ``burst``, until nothing is due and nothing is left to write)."""
+        with self.guard:  # its own thread: this one may hang in a read during a network partition
+            self._turn_until_done(burst)
+
+    def _turn_until_done(self, burst: bool) -> None:
         ex = self.executor
         self._burst = burst
         next_heartbeat = 0.0  # reap once at start: a crashed predecessor may have left jobs
@@ -131,9 +142,7 @@ class Control:
                          self.name, self.config.grace, ex.live_count)
             if now >= db_retry_at:
                 try:
-                    if db_failures:
-                        # Back from a database error: renew our leases first, the outage may have let them
-                        # run out. Nobody could renew meanwhile, so the others get a lease to do it too.
+                    if db_failures:  # back: renew our leases first; nobody could, so all get a lease to
                         self._reap_after = now + self.config.lease
                     if now >= next_heartbeat or db_failures:
                         self._heartbeat_and_reap(now)
@@ -157,10 +166,7 @@ class Control:
                     db_retry_at = time.monotonic() + pause
                     if self.store.driver.is_read_only(exc):
                         if not read_only:  # one line: it may last a while, and every try fails the same way
-                            log.warning("worker %s: the database takes no writes (a standby, or switched to "
-                                        "read-only): nothing is claimed or written, and no attempt is charged, "
-                                        "until a writable server answers; trying every %.0fs. %s",
-                                        self.name, pause, str(exc).splitlines()[0])
+                            log.warning(READ_ONLY_LINE, self.name, pause, str(exc).splitlines()[0])
                         read_only = True
                     elif db_failures <= 5 or db_failures % 60 == 0:  # a long outage: not one line per second
                         log.warning("worker %s: database error, retrying in %.1fs: %s",
@@ -206,6 +212,8 @@ class Control:
         is waiting, so the worker drains and then claims it alone.
         """
         if self.stopping or not self.executor.accepting:  # the relay's broker is unreachable: jobs wait pending
+            return False
+        if self.guard.active:  # runs were stopped for want of a lease renewal: none until one succeeds
             return False
         running = self.executor.running
         if self._isolated is not None:
@@ -324,6 +332,8 @@ class Control:
         ex = self.executor
         held = [run.job.fence for run in ex.live()]
         held += [o.job.fence for o in self._unwritten if o.result not in ("committed", "lost")]  # no longer ours
+        held += self.guard.held()  # stopped by self-fencing, their handlers not yet returned
+        sent = time.monotonic()
         if held:
             kept, cancels = self.store.heartbeat(held)
             self._deliver_cancels(cancels)
@@ -333,6 +343,7 @@ class Control:
                 if run is not None and not run.abandoned and ex.abandon(run):
                     log.warning("job %d %s: lease lost while running; its result will be discarded",
                                 run.job.id, run.job.kind)
+        self.guard.renewed(sent, self.store)
         # The elected worker reaps for all (sqla_jobs.leader); not within a lease of its own return from an
         # outage (the server's own restart: Driver.expired), when live workers' leases may have run out.
         if self.maintenance.renew() and now >= self._reap_after:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import uuid
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, make_url, text, update
@@ -17,7 +18,7 @@ from tests import app
 from tests.conftest import Database
 
 from .conftest import Workers, via
-from .harness import all_settled, check_invariants, dead, effects, enqueue, job, wait_for
+from .harness import all_settled, check_invariants, dead, effects, enqueue, job, states, wait_for
 from .proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -67,6 +68,40 @@ def test_stale_worker_result_is_discarded_not_applied(pg: Database, workers: Wor
     assert "WorkerLost" in row.errors[0]["error"]
     assert f"job {job_id} relay attempt 1/" in stale.log() and "claim lost" in stale.log()
     assert f"job {job_id} relay attempt 2/5" in rescuer.log() and "finished" in rescuer.log()
+
+
+def test_a_silently_partitioned_worker_stops_its_handlers_before_another_takes_over(
+    pg: Database, workers: Workers, proxy: TcpProxy, tmp_path: Path
+) -> None:
+    """Issue 32: the link under worker A stalls (packets dropped, no reset) while its three handlers run. A stops
+    them within 2/3 of its lease, before B takes the jobs over when the lease has run out, so no job ever runs
+    twice at once; when the link heals A reports nothing stale, hands back what is still its own, and works on."""
+    runs = tmp_path / "runs"
+    payload = {"first": 60, "later": 0.2, "runs": str(runs)}
+    ids = enqueue(pg.engine, "patient", payload, n=3)
+    timing = {"lease": 6, "heartbeat": 1}  # margins that hold on a loaded machine: A stops at 4 s, B starts after 6
+    a = workers(via(proxy, pg), handler_url=pg.url, no_listen=True, concurrency=3, **timing)
+    wait_for(lambda: list(states(pg.engine, ids).values()).count("running") == 3, 30, "A to run the three jobs")
+    proxy.stall()
+    b = workers(pg.url, concurrency=3, **timing)
+    wait_for(lambda: all_settled(pg.engine, ids), 60, "B to take the jobs over and finish them")
+    wait_for(lambda: runs.read_text().count("cancelled") == 3, 10, "A's handlers to have stopped")
+    proxy.resume()
+    wait_for(lambda: "answers again" in a.log(), 30, "A to reach the database again")
+    assert b.stop() == 0
+    more = enqueue(pg.engine, "patient", {**payload, "first": 0.2}, n=3)
+    wait_for(lambda: all_settled(pg.engine, more), 30, "A to run the next jobs")
+    assert a.alive()
+    assert a.stop() == 0
+    check_invariants(pg.engine, ids + more, workers.logs())
+    lines = [line.split() for line in runs.read_text().splitlines()]
+    for job_id in ids:
+        mine = sorted((int(att), float(start), float(end), how) for jid, att, _, start, end, how in lines
+                      if int(jid) == job_id)
+        assert [(att, how) for att, _, _, how in mine] == [(1, "cancelled"), (2, "done")], mine
+        assert mine[0][2] < mine[1][1], f"job {job_id}: A's run ended after B's began: {mine}"
+    assert "stopped 3 running job(s)" in a.log()
+    assert {int(line[2]) for line in lines if int(line[0]) in more} == {a.pid}, "A did not claim again"
 
 
 def stale_writes_change_nothing(db: Database, job_id: int, fence: tuple[int, str]) -> None:
