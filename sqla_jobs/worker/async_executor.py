@@ -101,6 +101,7 @@ class AsyncExecutor(Executor):
         except BaseException as exc:  # cancelled before its handler started (its first step never ran)
             outcome = outcome_of(run, run.started)("error", f"{type(exc).__name__}: the run was stopped before "
                                                    "its handler started")
+        run.returned = True  # its handler is done: self-fencing leaves its outcome alone
         self._done.put((run, outcome))
         waiting = self._done.qsize()
         if (waiting == 1 or outcome.result != "ok" or waiting * 2 >= self.concurrency

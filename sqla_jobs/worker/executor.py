@@ -233,6 +233,7 @@ class Executor:
                 if run.handler is not None and run.handler.is_async and loop is None:
                     loop = asyncio.new_event_loop()
                 outcome = self._execute(run, loop)
+            run.returned = True  # its handler is done: self-fencing leaves its outcome alone
             self._done.put((run, outcome))
             # Wake the control loop when there is something to do, not after every job: the
             # first outcome starts its flush timer (flush_interval), and a failure, half the

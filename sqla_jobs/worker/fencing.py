@@ -108,8 +108,10 @@ class LeaseGuard:
         with self._lock:
             renewed_at = self.renewed_at
         # A copy of the values: the control thread adds and removes runs meanwhile.
+        # Not a run whose handler has returned: nothing runs any more, and its outcome is written (fenced by
+        # its claim token) once the database answers, or discarded if the job was taken over meanwhile.
         overdue = [run for run in list(ex.running.values())
-                   if not run.abandoned and now - max(run.started, renewed_at) > self.limit]
+                   if not (run.abandoned or run.returned) and now - max(run.started, renewed_at) > self.limit]
         stopped = [run for run in overdue if ex.abandon(run)]  # not one that is committing its finish
         if not stopped:
             return 0

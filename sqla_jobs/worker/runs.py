@@ -48,6 +48,7 @@ class Run:
     task: Any = None  # an async handler's task and its loop, so a cancel can interrupt it
     loop: Any = None
     interrupted: bool = False
+    returned: bool = False  # the handler returned (or raised): its outcome waits to be collected
 
 
 @dataclass

@@ -38,6 +38,17 @@ def terminate_backends(engine: Engine, worker: WorkerProc) -> int:
 
 
 
+def drain_and_stop(engine: Engine, ids: list[int], pool: list[WorkerProc], workers: Workers, timeout: float,
+                   what: str) -> dict[int, str]:
+    """Wait until every job is finished or dead, stop the workers (each alive, each exiting 0), check the
+    suite's invariants; returns each job's final state."""
+    wait_for(lambda: all_settled(engine, ids), timeout, what)
+    for worker in pool:
+        assert worker.alive(), "a worker died instead of reconnecting"
+        assert worker.stop() == 0
+    return check_invariants(engine, ids, workers.logs())
+
+
 @pytest.mark.parametrize("how", ["pg_terminate_backend", "network reset"])
 def test_connection_lost_between_claim_and_finish(pg: Database, workers: Workers, proxy: TcpProxy, how: str) -> None:
     url = pg.url if how == "pg_terminate_backend" else via(proxy, pg)
@@ -123,11 +134,7 @@ def test_an_outage_longer_than_the_lease_charges_nothing_and_runs_nothing_twice(
     private_cluster.stop("fast")
     time.sleep(4.0)  # twice the lease: the running jobs' leases run out; their handlers run on
     private_cluster.start()
-    wait_for(lambda: all_settled(engine, ids), 90, "every job to finish after the outage")
-    for worker in pool:
-        assert worker.alive(), "a worker died instead of reconnecting"
-        assert worker.stop() == 0
-    final = check_invariants(engine, ids, workers.logs())
+    final = drain_and_stop(engine, ids, pool, workers, 90, "every job to finish after the outage")
     assert set(final.values()) == {"finished"}, f"not all finished (dead-lettered by the outage?): {final}"
     lines = [line.split() for line in runs.read_text().splitlines()]
     assert set(Counter(int(line[0]) for line in lines)) == set(ids)
@@ -224,11 +231,7 @@ def test_server_restarts_do_not_use_up_attempts(
         private_cluster.stop(mode)
         time.sleep(1.5)
         private_cluster.start()
-    wait_for(lambda: all_settled(engine, ids), 180, "every job to finish after the restarts")
-    for worker in pool:
-        assert worker.alive(), "a worker died instead of reconnecting"
-        assert worker.stop() == 0
-    states = check_invariants(engine, ids, workers.logs())
+    states = drain_and_stop(engine, ids, pool, workers, 180, "every job to finish after the restarts")
     dead_letters = sorted(job_id for job_id, state in states.items() if state == "dead")
     assert not dead_letters, f"dead-lettered by outages: {dead_letters}"
     assert set(states.values()) == {"finished"}
