@@ -133,7 +133,7 @@ class Endings:
     def expired(self, conn: Connection, limit: int = 100, settle: float = 0.0) -> list[Any]:
         """Running jobs whose lease ran out (their worker died or lost the database).
 
-        None while the database server has been up for less than ``settle`` seconds (the reaper gives
+        Nothing while the database server has been up for less than ``settle`` seconds (the reaper gives
         its lease): when the server comes back from an outage longer than the lease, every lease has run
         out while its worker, alive and mid-handler, could not renew it. Reaped then, each job would run
         a second time beside its first run, with an attempt charged. A live worker renews within half a

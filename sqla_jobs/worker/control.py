@@ -142,7 +142,7 @@ class Control:
                          self.name, self.config.grace, ex.live_count)
             if now >= db_retry_at:
                 try:
-                    if db_failures:  # back: renew our leases first; nobody could, so all get a lease to
+                    if db_failures:  # back: renew ours first; nobody could meanwhile, so no reaping for a lease
                         self._reap_after = now + self.config.lease
                     if now >= next_heartbeat or db_failures:
                         self._heartbeat_and_reap(now)
