@@ -132,27 +132,30 @@ def sleep(payload: dict[str, Any]) -> None:
     record("finish")
 
 
+def log_run(path: str, started: float, *extra: str) -> None:
+    """Append this run (job id, attempt, pid, start, end: the wall clock, then ``extra``) to the file ``path``:
+    a record a database outage during the run cannot lose or hold up."""
+    job = current_job()
+    with open(path, "a") as runs:
+        runs.write(" ".join(map(str, (job.id, job.attempt, os.getpid(), started, time.time(), *extra))) + "\n")
+
+
 @queue.handler("timed")
 def timed(payload: dict[str, Any]) -> None:
-    """Sleeps ``sleep`` seconds, then appends its run (job id, attempt, pid, start, end: the wall clock) to the
-    file ``payload["runs"]``: a record a database outage during the run cannot lose or hold up."""
+    """Sleeps ``sleep`` seconds (deaf to a cancel), then logs its run to ``payload["runs"]`` (``log_run``)."""
     started = time.time()
     time.sleep(payload.get("sleep", 0))
-    job = current_job()
-    with open(payload["runs"], "a") as runs:
-        runs.write(f"{job.id} {job.attempt} {os.getpid()} {started} {time.time()}\n")
+    log_run(payload["runs"], started)
 
 
 @queue.handler("patient")
 def patient(payload: dict[str, Any]) -> None:
-    """Runs ``first`` seconds on attempt 1 and ``later`` on the others, or until told it is cancelled, then appends
-    its run (job id, attempt, pid, start, end, ``cancelled`` or ``done``) to the file ``payload["runs"]``."""
+    """Runs ``first`` seconds on attempt 1 and ``later`` on the others, or until told it is cancelled, then logs
+    its run to ``payload["runs"]`` (``log_run``), ending with ``cancelled`` or ``done``."""
     job = current_job()
     started = time.time()
     job.cancelled.wait(payload["first"] if job.attempt == 1 else payload["later"])
-    ended = "cancelled" if job.cancelled.is_set() else "done"
-    with open(payload["runs"], "a") as runs:
-        runs.write(f"{job.id} {job.attempt} {os.getpid()} {started} {time.time()} {ended}\n")
+    log_run(payload["runs"], started, "cancelled" if job.cancelled.is_set() else "done")
 
 
 @queue.handler("hang", timeout=0.5)

@@ -92,8 +92,9 @@ class LeaseGuard:
             given = store.hand_back(stopped)  # a database error leaves them for the next heartbeat
             log.warning("worker %s: the database answers again: %d stopped job(s) handed back, claiming resumes",
                         self.worker_name, given)
+        gone = set(stopped)
         with self._lock:
-            self.fenced = [fence for fence in self.fenced if fence not in set(stopped)]
+            self.fenced = [fence for fence in self.fenced if fence not in gone]
             self.active = False
 
     def held(self) -> list[Fence]:
