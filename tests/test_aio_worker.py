@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -29,7 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 
 from sqla_jobs import AsyncWorker, ConfigError, JobEvent
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database
 
 T = TypeVar("T")
@@ -210,7 +209,7 @@ def test_the_fastapi_recipe_runs_end_to_end_on_postgresql(pg: Database, tmp_path
     (tmp_path / "shop.py").write_text(python[0])
     (tmp_path / "main.py").write_text("\n".join(python[1:]))
     env = {**os.environ, "SHOP_DB": pg.url, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run([sys.executable, "main.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+    result = forkserver.run([sys.executable, "main.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
     assert "receipt sent" in result.stdout

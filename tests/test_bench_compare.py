@@ -23,6 +23,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from tests import forkserver
 from tests.conftest import PG_URL, ROOT, require_postgres
 
 BENCH = ROOT / "docs" / "bench"
@@ -56,21 +57,21 @@ def scratch() -> Iterator[str]:
 
 
 def test_help_lists_the_options() -> None:
-    out = subprocess.run([sys.executable, str(BENCH / "compare.py"), "--help"],
+    out = forkserver.run([sys.executable, str(BENCH / "compare.py"), "--help"],
                          capture_output=True, text=True, timeout=60, check=True).stdout
     for option in ("--url", "--jobs", "--runs", "--peers", "--json", "--venv", "--child-timeout"):
         assert option in out
 
 
 def test_unknown_peer_is_a_clear_error() -> None:
-    proc = subprocess.run([sys.executable, str(BENCH / "compare.py"), "--url", DSN, "--peers", "celery"],
+    proc = forkserver.run([sys.executable, str(BENCH / "compare.py"), "--url", DSN, "--peers", "celery"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "unknown celery" in proc.stderr and "pgqueuer" in proc.stderr
 
 
 def test_raw_sql_child_on_a_few_jobs(scratch: str) -> None:
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(BENCH / "raw_sql.py"), "--dsn", DSN, "--schema", scratch, "--jobs", "60",
          "--single-jobs", "15", "--processes", "2", "--batch", "7"],
         capture_output=True, text=True, timeout=120, cwd=BENCH,
@@ -93,7 +94,7 @@ def test_compare_end_to_end_without_peers(tmp_path: Path) -> None:
     """sqla-jobs bench and the raw baselines through the parent script; scratch schemas are dropped."""
     require_postgres()
     out_json = tmp_path / "out.json"
-    proc = subprocess.Popen(
+    proc = forkserver.Popen(
         [sys.executable, str(BENCH / "compare.py"), "--url", PG_URL, "--peers", "", "--jobs", "40", "--runs", "1",
          "--latency-samples", "5", "--sqla-jobs-drain", "1x2", "--child-timeout", "120", "--json", str(out_json)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

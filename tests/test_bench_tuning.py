@@ -14,6 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests import forkserver
 from tests.conftest import PG_URL, ROOT, require_postgres
 
 BENCH = ROOT / "docs" / "bench"
@@ -21,7 +22,7 @@ NUMBER = r"[\d,]+(?:\.\d+)?"
 
 
 def _script(tmp_path: Path, script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(BENCH / script), "--url", PG_URL, *args],
+    return forkserver.run([sys.executable, str(BENCH / script), "--url", PG_URL, *args],
                           capture_output=True, text=True, timeout=300, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 

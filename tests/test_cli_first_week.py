@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database, run_cli
 from tests.helpers import enqueue, job
 from tests.test_cli import APP, assert_clean_error, clean_env
@@ -180,9 +180,9 @@ def test_a_handlers_print_into_a_closed_pipe_fails_no_job(tmp_path: Path) -> Non
                     f"engine = create_engine('sqlite:///{tmp_path / 'p.db'}')\n"
                     "with Session(engine) as s, s.begin():\n    s.add_all([Job(kind='shout', payload={}) "
                     "for _ in range(5)])\n")
-    assert subprocess.run([sys.executable, "-c", enqueue_code], env=env, cwd=tmp_path).returncode == 0
+    assert forkserver.run([sys.executable, "-c", enqueue_code], env=env, cwd=tmp_path).returncode == 0
     # `sqla-jobs worker --burst | head -c 0`: the reader is gone before the first job runs.
-    worker = subprocess.Popen([sys.executable, "-m", "sqla_jobs.cli", "worker", "--burst"], env=env, cwd=tmp_path,
+    worker = forkserver.Popen([sys.executable, "-m", "sqla_jobs.cli", "worker", "--burst"], env=env, cwd=tmp_path,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert worker.stdout is not None
     worker.stdout.close()

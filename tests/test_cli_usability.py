@@ -18,7 +18,7 @@ from sqlalchemy import insert
 
 from sqla_jobs import __version__
 from sqla_jobs.cli import build_parser, iter_commands
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database, run_cli
 from tests.helpers import count, enqueue, run_burst
 from tests.test_cli import APP, assert_clean_error, clean_env
@@ -114,7 +114,7 @@ def test_a_bad_worker_setting_names_only_itself(option: str, value: str, says: s
 def piped(command: str, reader: str, env: dict[str, str], cwd: Path) -> tuple[str, str, int]:
     """``command | reader`` in bash: what the reader printed, the command's stderr and exit status."""
     script = f"{command} 2>err.txt | {reader}; echo ${{PIPESTATUS[0]}} > status.txt"
-    out = subprocess.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    out = forkserver.run(["bash", "-c", script], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
     return out.stdout, (cwd / "err.txt").read_text(), int((cwd / "status.txt").read_text())
 
 
@@ -180,7 +180,7 @@ def test_render_reads_app_and_url_from_alembic_ini(tmp_path: Path) -> None:
     env = clean_env()
 
     def sqla_jobs(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "sqla_jobs.cli", *args], cwd=tmp_path, env=env,
+        return forkserver.run([sys.executable, "-m", "sqla_jobs.cli", *args], cwd=tmp_path, env=env,
                               capture_output=True, text=True, timeout=120)
 
     init = sqla_jobs("migrations", "init", "m")
@@ -197,7 +197,7 @@ def test_render_reads_app_and_url_from_alembic_ini(tmp_path: Path) -> None:
     assert "  create table jobs" in lines
     assert not (tmp_path / "app.db").exists()  # the database of sqlalchemy.url does not exist yet: no empty file
 
-    upgrade = subprocess.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=tmp_path, env=env,
+    upgrade = forkserver.run([sys.executable, "-m", "alembic", "upgrade", "head"], cwd=tmp_path, env=env,
                              capture_output=True, text=True, timeout=120)
     assert upgrade.returncode == 0, upgrade.stderr
     # Now render compares with sqlalchemy.url's database, read from alembic.ini: nothing is missing.
@@ -229,7 +229,7 @@ def test_a_failed_sqlite_start_leaves_no_empty_file(tmp_path: Path) -> None:
 
 
 def test_bench_on_sqlite_leaves_no_file(tmp_path: Path) -> None:
-    result = subprocess.run(
+    result = forkserver.run(
         [sys.executable, "-m", "sqla_jobs.cli", "bench", "--url", "sqlite:///b.db", "--jobs", "20", "--runs", "1",
          "--processes", "1", "--concurrency", "2", "--latency-samples", "5", "--json"],
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300,

@@ -11,7 +11,7 @@ import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ PROCESSES = 4
 def _run_burst_workers(db: Database, flavour: str, *options: str) -> None:
     """PROCESSES ``sqla-jobs worker --burst`` processes at once, until the queue is empty; each must exit 0."""
     workers = [
-        subprocess.Popen(
+        forkserver.Popen(
             [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "WARNING", "worker", "--burst",
              "--concurrency", "4", "--app", "tests.app:queue", *options, *(["--async"] if flavour == "async" else [])],
             env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

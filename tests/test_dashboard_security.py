@@ -18,7 +18,7 @@ from starlette.testclient import TestClient
 
 from sqla_jobs import ConfigError
 from sqla_jobs.web import dashboard
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database
 from tests.dashboard_helpers import TOKEN, client, csrf, kill, post
 from tests.helpers import dead, enqueue, job
@@ -183,8 +183,8 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _cli(db: Database, *args: str, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "sqla_jobs.cli", "dashboard", "--app", "tests.app:queue", *args],
+def _cli(db: Database, *args: str, **env: str) -> forkserver.Popen:
+    return forkserver.Popen([sys.executable, "-m", "sqla_jobs.cli", "dashboard", "--app", "tests.app:queue", *args],
                             env=db.env(**env), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -215,7 +215,7 @@ def test_command_serves_on_localhost_read_only(db: Database) -> None:
         proc.wait(timeout=30)
 
 
-def _wait_for(url: str, proc: subprocess.Popen[str]) -> str:
+def _wait_for(url: str, proc: forkserver.Popen) -> str:
     deadline = time.monotonic() + 60
     while True:
         try:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.conftest import ROOT
 
 DOCS = ROOT / "docs"
@@ -95,7 +96,7 @@ def run(command: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         argv[:1] = [sys.executable, "-m", "sqla_jobs.cli"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
     env["PYTHONPATH"] = os.pathsep.join([str(cwd), str(ROOT)])
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+    return forkserver.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
 
 
 #: Every page with code the test runs; the others have only output, marked blocks or no code.

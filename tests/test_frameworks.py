@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +19,7 @@ from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session
 
 from sqla_jobs.testing import assert_enqueued, run_due
+from tests import forkserver
 from tests.conftest import ROOT, Database, make_database
 
 EXAMPLES = ROOT / "docs" / "examples"
@@ -117,12 +117,12 @@ def test_flask_sqlalchemy_view_commits_the_order_and_its_job(database: Database)
 
 def test_a_cron_script_enqueues_and_a_burst_worker_drains(database: Database) -> None:
     env = database.env(PYTHONPATH=f"{EXAMPLES}{':'}{ROOT}")
-    enqueued = subprocess.run([sys.executable, str(EXAMPLES / "cron_enqueue.py"), database.url], env=env,
+    enqueued = forkserver.run([sys.executable, str(EXAMPLES / "cron_enqueue.py"), database.url], env=env,
                               capture_output=True, text=True, timeout=120)
     assert enqueued.returncode == 0, enqueued.stderr
     assert "enqueued 3 report jobs" in enqueued.stdout
     # The crontab line of the page, minus the schedule.
-    worker = subprocess.run([sys.executable, "-m", "sqla_jobs.cli", "worker", "--burst", "--url", database.url,
+    worker = forkserver.run([sys.executable, "-m", "sqla_jobs.cli", "worker", "--burst", "--url", database.url,
                              "--app", "cron_jobs:queue"], env=env, capture_output=True, text=True, timeout=120)
     assert worker.returncode == 0, worker.stderr
     jobs = load("cron_jobs")

@@ -7,14 +7,13 @@ finish-and-claim path, every job must run exactly once and end finished.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sqla_jobs import JobQueue
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database
 
 JOBS = 3000
@@ -26,7 +25,7 @@ def test_every_job_runs_once_at_full_speed(db: Database) -> None:
         queue.enqueue_many(session, ({"kind": "record", "payload": {"n": i}} for i in range(JOBS)))
     command = [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "WARNING", "worker", "--burst",
                "--app", "tests.app:queue", "--concurrency", "16", "--processes", "3", "--poll-interval", "0.05"]
-    result = subprocess.run(command, env=db.env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    result = forkserver.run(command, env=db.env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
 
     with Session(db.engine) as session:

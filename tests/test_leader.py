@@ -19,7 +19,7 @@ from sqlalchemy import text
 from sqla_jobs.drivers import _leadership
 from sqla_jobs.errors import ConfigError
 from sqla_jobs.leader import Leadership, leader_table
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database
 
 LEASE = 1.5
@@ -130,7 +130,7 @@ def wait_for_leader(db: Database, accept: Callable[[Any], bool]) -> Any:
 def test_four_processes_never_lead_at_once_and_a_killed_leader_is_replaced(db: Database) -> None:
     Leadership(db.engine, app.queue, "setup", lease=LEASE)._ensure_table()
     procs = {
-        name: subprocess.Popen([sys.executable, "-c", WORKER.format(lease=LEASE), name, db.url],
+        name: forkserver.Popen([sys.executable, "-c", WORKER.format(lease=LEASE), name, db.url],
                                env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for name in ("w0", "w1", "w2", "w3")
     }

@@ -20,12 +20,12 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import JobQueue, Worker
 from sqla_jobs.errors import ConfigError
-from tests import app, limits_app
+from tests import app, forkserver, limits_app
 from tests.conftest import ROOT, Database
 
 
 def _workers(db: Database, n: int, concurrency: int, logs: Path,
-             plain_only: bool = False) -> list[subprocess.Popen[str]]:
+             plain_only: bool = False) -> list[forkserver.Popen]:
     """``n`` worker processes, up and running. Their logs go to files: a worker logs a line per job, and a pipe
     nobody reads until the end would fill and stop it mid-run (its leases would then expire)."""
     command = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", "tests.limits_app:queue",
@@ -34,7 +34,7 @@ def _workers(db: Database, n: int, concurrency: int, logs: Path,
     for i in range(n):
         with open(logs / f"worker-{i}.log", "w") as log:
             env = db.env(LIMITS_APP_PLAIN="1" if plain_only else "0")
-            workers.append(subprocess.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
+            workers.append(forkserver.Popen(command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
                                             text=True))
     ends = time.monotonic() + 60
     try:
@@ -52,7 +52,7 @@ def _workers(db: Database, n: int, concurrency: int, logs: Path,
     return workers
 
 
-def _stop(workers: list[subprocess.Popen[str]], logs: Path) -> None:
+def _stop(workers: list[forkserver.Popen], logs: Path) -> None:
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
     try:
@@ -320,12 +320,12 @@ def test_the_claim_of_other_kinds_is_not_repeated_while_it_finds_nothing(db: Dat
 def test_the_limits_drain_benchmark_runs(tmp_path: Path) -> None:
     """docs/bench/limits_drain.py and limits_turn.py (the figures in docs/howto/limits.md), small, so they
     cannot rot."""
-    run = subprocess.run([sys.executable, str(ROOT / "docs" / "bench" / "limits_drain.py"), "--url",
+    run = forkserver.run([sys.executable, str(ROOT / "docs" / "bench" / "limits_drain.py"), "--url",
                           f"sqlite:///{tmp_path / 'bench.db'}", "--jobs", "200", "--runs", "1"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "of the rate with no limits declared" in run.stdout and "limit=32" in run.stdout, run.stdout
-    turn = subprocess.run([sys.executable, str(ROOT / "docs" / "bench" / "limits_turn.py"), "--url",
+    turn = forkserver.run([sys.executable, str(ROOT / "docs" / "bench" / "limits_turn.py"), "--url",
                            f"sqlite:///{tmp_path / 'turn.db'}", "--jobs", "64"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert turn.returncode == 0, turn.stderr

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import JobEvent, Worker
 from sqla_jobs.metrics import QueueMetrics
+from tests import forkserver
 from tests.app import queue
 from tests.conftest import ROOT, Database
 from tests.test_operations import APP, effects, enqueue, job_row
@@ -55,7 +56,7 @@ def enqueue_mix(db: Database) -> None:
 def test_worker_serves_metrics_over_http(db: Database) -> None:
     enqueue_mix(db)
     port = free_port()
-    worker = subprocess.Popen(
+    worker = forkserver.Popen(
         [sys.executable, "-m", "sqla_jobs.cli", "worker", *APP, "--poll-interval", "0.05",
          "--metrics-port", str(port), "--metrics-addr", "127.0.0.1"],
         env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -143,7 +144,7 @@ def test_gauges_are_cached_between_scrapes(db: Database) -> None:
 def test_missing_prometheus_client_says_what_to_install(db: Database) -> None:
     code = ("import sys; sys.modules['prometheus_client'] = None; from sqla_jobs.cli import main; "
             "sys.exit(main(['worker', '--app', 'tests.app:queue', '--metrics-port', '0', '--burst']))")
-    result = subprocess.run([sys.executable, "-c", code], env=db.env(), cwd=ROOT, capture_output=True, text=True,
+    result = forkserver.run([sys.executable, "-c", code], env=db.env(), cwd=ROOT, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2
     assert 'pip install "sqla-jobs[prometheus]"' in result.stderr.strip().splitlines()[-1]
@@ -154,7 +155,7 @@ def test_reaper_reports_a_lost_worker_as_a_failed_attempt(db: Database, cancel: 
     """The run of a worker that died counts as a failed attempt for hooks (and so for metrics);
     if a cancel was requested while it ran, the job ends cancelled instead of being retried."""
     job_id = enqueue(db, "sleep", payload={"seconds": 30})
-    doomed = subprocess.Popen(
+    doomed = forkserver.Popen(
         [sys.executable, "-m", "sqla_jobs.cli", "worker", *APP, "--poll-interval", "0.05", "--lease", "1",
          "--heartbeat", "0.3"],
         env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -193,7 +194,7 @@ def test_metrics_port_in_use_is_a_one_line_error(db: Database) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run(
+        result = forkserver.run(
             [sys.executable, "-m", "sqla_jobs.cli", "worker", *APP, "--burst", "--metrics-port", str(port),
              "--metrics-addr", "127.0.0.1"],
             env=db.env(), cwd=ROOT, capture_output=True, text=True, timeout=60,

@@ -37,6 +37,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
+from tests import forkserver
 from tests.conftest import BACKENDS, PG_URL, ROOT, Database, make_database, require_postgres
 
 pytestmark = pytest.mark.timeout(300)
@@ -95,7 +96,7 @@ class Project:
         return {**os.environ, "PYTHONPATH": f"{self.path}{os.pathsep}{ROOT}", "SQLA_JOBS_URL": self.db.url}
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-        result = subprocess.run(
+        result = forkserver.run(
             [sys.executable, *args], cwd=self.path, env=self.env(), capture_output=True, text=True, timeout=180
         )
         if check and result.returncode != 0:
@@ -470,7 +471,7 @@ def test_non_default_schema_end_to_end(empty_pg: Database, tmp_path: Path) -> No
 
 def test_importing_sqla_jobs_does_not_import_alembic() -> None:
     code = "import sys, sqla_jobs, sqla_jobs.cli, sqla_jobs.worker.worker; print('alembic' in sys.modules)"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
+    result = forkserver.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert result.stdout.strip() == "False"
 
 
@@ -609,7 +610,7 @@ def test_render_errors_are_one_line(tmp_path: Path) -> None:
 
     def render(*extra: str) -> subprocess.CompletedProcess[str]:
         args = [sys.executable, "-m", "sqla_jobs.cli", "migrations", "render", "--app", "jobmodels:queue", *extra]
-        return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        return forkserver.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
 
     missing = render()
     assert missing.returncode == 2 and "no alembic config at 'alembic.ini'" in missing.stderr

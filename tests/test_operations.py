@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import JobStateError, NotFound, Worker
 from sqla_jobs.errors import ConfigError
+from tests import forkserver
 from tests.app import DeadJob, Effect, Job, queue
 from tests.conftest import ROOT, Database, run_cli
 from tests.test_stats import add_dead, add_jobs, build_known_table, db_now, finished
@@ -62,8 +63,8 @@ def test_cancelled_pending_job_never_runs(db: Database) -> None:
         queue.cancel(session, 424242)
 
 
-def _start_worker(db: Database, *extra: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
+def _start_worker(db: Database, *extra: str) -> forkserver.Popen:
+    return forkserver.Popen(
         [sys.executable, "-m", "sqla_jobs.cli", "worker", *APP, "--poll-interval", "0.05", *extra],
         env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
@@ -78,7 +79,7 @@ def _wait_for(predicate: Any, timeout: float = 30.0) -> None:
     raise AssertionError("condition not met in time")
 
 
-def _stop(proc: subprocess.Popen[str]) -> str:
+def _stop(proc: forkserver.Popen) -> str:
     proc.terminate()
     out, _ = proc.communicate(timeout=60)
     return out
@@ -289,7 +290,7 @@ def test_stats_cli_table_and_json(db: Database) -> None:
 
 
 def test_stats_watch_refreshes(db: Database) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "sqla_jobs.cli", "stats", *APP, "--json", "--watch", "0.2"],
+    proc = forkserver.Popen([sys.executable, "-m", "sqla_jobs.cli", "stats", *APP, "--json", "--watch", "0.2"],
                             env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     first = json.loads(proc.stdout.readline())
@@ -337,7 +338,7 @@ def test_cli_works_without_rich(db: Database) -> None:
     build_known_table(db.engine)
     code = ("import sys; sys.modules['rich'] = None; from sqla_jobs.cli import main; "
             "sys.exit(main(['stats', '--app', 'tests.app:queue']))")
-    result = subprocess.run([sys.executable, "-c", code], env=db.env(), cwd=ROOT, capture_output=True, text=True,
+    result = forkserver.run([sys.executable, "-c", code], env=db.env(), cwd=ROOT, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert "┃" not in result.stdout and "│" not in result.stdout
@@ -387,7 +388,7 @@ def test_concurrent_prunes_delete_each_row_once(db: Database) -> None:
     now = db_now(db.engine)
     add_jobs(db.engine, [finished(now, "noop", 1, 3 * 86400) for _ in range(4000)]
              + [finished(now, "noop", 1, 60) for _ in range(10)] + [{"run_at": now - timedelta(days=5)}])
-    procs = [subprocess.Popen([sys.executable, "-m", "sqla_jobs.cli", "prune", *APP, "--finished-older-than", "1d",
+    procs = [forkserver.Popen([sys.executable, "-m", "sqla_jobs.cli", "prune", *APP, "--finished-older-than", "1d",
                                "--batch-size", "300"], env=db.env(), cwd=ROOT, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for _ in range(3)]
     results = [p.communicate(timeout=120) for p in procs]

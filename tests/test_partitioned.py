@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
 import sys
 import threading
 import time
@@ -27,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from sqla_jobs import Worker
 from sqla_jobs.drivers.postgresql import partitions as pg_partitions
-from tests import app
+from tests import app, forkserver
 from tests import test_concurrency as concurrency
 from tests.conftest import PG_URL, ROOT, Database, make_database, require_postgres, run_cli
 from tests.test_migrations import Project, write_models
@@ -218,7 +217,7 @@ def test_the_user_facing_tests_pass_on_a_partitioned_table(user_test: Callable[[
 def test_the_benchmark_script_runs(tmp_path: Path) -> None:
     """docs/bench/partitioned.py, small: both modes, and the prune removes every old row in each."""
     require_postgres()
-    out = subprocess.run(
+    out = forkserver.run(
         [sys.executable, "docs/bench/partitioned.py", "--url", PG_URL, "--finished", "3000", "--jobs", "200",
          "--runs", "1", "--samples", "20", "--concurrency", "4", "--json", str(tmp_path / "r.json")],
         cwd=ROOT, capture_output=True, text=True, timeout=600,

@@ -15,7 +15,7 @@ from sqlalchemy import select, text
 from sqlalchemy.orm import Session
 
 from sqla_jobs import ConfigError, JobQueue
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database
 from tests.helpers import count, run_burst
 
@@ -105,10 +105,10 @@ def test_two_schedules_of_one_kind_need_names() -> None:
         queue.periodic(every=120, kind="noop")
 
 
-def _workers(db: Database, app_name: str, n: int, flavour: str = "threaded") -> list[subprocess.Popen[str]]:
+def _workers(db: Database, app_name: str, n: int, flavour: str = "threaded") -> list[forkserver.Popen]:
     command = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", f"tests.periodic_app:{app_name}",
                "--poll-interval", "0.2", "--concurrency", "2", *(["--async"] if flavour == "async" else [])]
-    workers = [subprocess.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    workers = [forkserver.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True) for _ in range(n)]
     for worker in workers:  # up and running (signals handled) before the test's clock starts
         assert worker.stderr is not None
@@ -117,7 +117,7 @@ def _workers(db: Database, app_name: str, n: int, flavour: str = "threaded") -> 
     return workers
 
 
-def _stop(workers: list[subprocess.Popen[str]]) -> None:
+def _stop(workers: list[forkserver.Popen]) -> None:
     for worker in workers:
         worker.send_signal(signal.SIGTERM)
     for worker in workers:

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import Engine, create_engine, insert, make_url, text
 
-from tests import app
+from tests import app, forkserver
 from tests.conftest import IN_CI, PG_URL, ROOT, require_postgres
 from tests.helpers import count
 
@@ -76,7 +76,7 @@ pidfile = {folder / 'pgbouncer.pid'}
     command = [PGBOUNCER, str(folder / "pgbouncer.ini")]
     if os.geteuid() == 0:
         command = ["runuser", "-u", "postgres", "--", *command]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = forkserver.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 20
         while True:
@@ -101,12 +101,12 @@ pidfile = {folder / 'pgbouncer.pid'}
         admin.dispose()
 
 
-def start_workers(url: str, processes: int) -> list[subprocess.Popen[str]]:
+def start_workers(url: str, processes: int) -> list[forkserver.Popen]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
     env["PYTHONPATH"] = str(ROOT)
     argv = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--url", url, "--app", "tests.app:queue",
             "--no-listen", "--burst", "--concurrency", "4", "--poll-interval", "0.05"]
-    return [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return [forkserver.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for _ in range(processes)]
 
 

@@ -16,7 +16,7 @@ import time
 
 from sqlalchemy import text
 
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database
 from tests.helpers import count, dead, enqueue
 
@@ -34,7 +34,7 @@ def test_supervisor_restarts_a_dead_worker_process_and_stops_on_sigterm(db: Data
     poison = enqueue(db.engine, "suicide", max_attempts=2)
     command = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", "tests.app:queue", "--processes", "2",
                "--concurrency", "2", "--lease", "1", "--heartbeat", "0.3", "--poll-interval", "0.1"]
-    supervisor = subprocess.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.PIPE,
+    supervisor = forkserver.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: dead(db.engine, poison) is not None, 60, "the poison job to be dead-lettered")

@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from sqla_jobs import ConfigError, Worker
+from tests import forkserver
 from tests.app import Effect, Job, queue
 from tests.conftest import ROOT, Database, run_cli
 from tests.test_operations import APP, _wait_for
@@ -45,7 +46,7 @@ def test_a_busy_queue_does_not_delay_another(db: Database) -> None:
     jobs run meanwhile on theirs. With one shared pool of four threads they would wait behind the slow jobs."""
     slow = enqueue_in(db, "slow", "sleep", 7, seconds=1.5)
     fast = enqueue_in(db, "fast", "record", 6)
-    proc = subprocess.Popen(
+    proc = forkserver.Popen(
         [sys.executable, "-m", "sqla_jobs.cli", "worker", *APP, "--queue", "slow=3", "--queue", "fast=1",
          "--poll-interval", "0.05"],
         env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

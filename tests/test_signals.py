@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database
 from tests.helpers import count, enqueue
 
@@ -142,7 +142,7 @@ def test_second_ctrl_c_exits_at_once_and_hands_the_jobs_back(db: Database) -> No
 def test_sigterm_during_start_up_is_a_clean_stop(db: Database, processes: str) -> None:
     """SIGTERM as soon as the process can catch it, before it has connected or claimed: a log line, exit 0."""
     enqueue(db.engine, "noop")
-    proc = subprocess.Popen([*WORKER, "--processes", processes], env=db.env(), cwd=ROOT,
+    proc = forkserver.Popen([*WORKER, "--processes", processes], env=db.env(), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     mask = 1 << (signal.SIGTERM - 1)
 
@@ -162,7 +162,7 @@ def test_sigterm_during_start_up_is_a_clean_stop(db: Database, processes: str) -
 
 def test_sigterm_while_the_worker_processes_start(db: Database) -> None:
     """SIGTERM to the supervisor the moment its worker processes exist, while they are still importing."""
-    proc = subprocess.Popen([*WORKER, "--processes", "2"], env=db.env(), cwd=ROOT,
+    proc = forkserver.Popen([*WORKER, "--processes", "2"], env=db.env(), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_until(lambda: len(workers_of(proc.pid)) == 2, 30, "the worker processes to start")
     proc.send_signal(signal.SIGTERM)
@@ -175,7 +175,7 @@ def test_sigterm_while_the_worker_processes_start(db: Database) -> None:
 def test_supervisor_with_sigint_ignored_stops_on_sigterm(db: Database) -> None:
     """A shell that starts a job in the background ignores SIGINT for it: SIGTERM still stops everything."""
     ids = [enqueue(db.engine, "sleep", {"seconds": 0.5}) for _ in range(4)]
-    proc = subprocess.Popen([*WORKER, "--processes", "2", "--grace", "20"], env=db.env(), cwd=ROOT,
+    proc = forkserver.Popen([*WORKER, "--processes", "2", "--grace", "20"], env=db.env(), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
@@ -193,7 +193,7 @@ def test_supervisor_with_sigint_ignored_stops_on_sigterm(db: Database) -> None:
 
 def test_a_worker_whose_supervisor_was_killed_stops(db: Database) -> None:
     """The children are outside the terminal's process group, so they watch their supervisor instead."""
-    proc = subprocess.Popen([*WORKER, "--processes", "2"], env=db.env(), cwd=ROOT,
+    proc = forkserver.Popen([*WORKER, "--processes", "2"], env=db.env(), cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wait_until(lambda: len(workers_of(proc.pid)) == 2, 30, "the worker processes to start")
     children = workers_of(proc.pid)
@@ -236,7 +236,7 @@ def test_a_stop_signal_while_the_loop_holds_its_wake_up_lock_still_stops_it() ->
     the signal to a thread now. Before that, 7 of 10 of these processes hung."""
     hung = []
     for attempt in range(20):
-        proc = subprocess.Popen([sys.executable, "-c", _SPINNING_WAIT], cwd=ROOT, stdout=subprocess.PIPE,
+        proc = forkserver.Popen([sys.executable, "-c", _SPINNING_WAIT], cwd=ROOT, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         assert proc.stdout is not None
         assert proc.stdout.readline().strip() == "ready", proc.communicate(timeout=10)[0]
@@ -265,7 +265,7 @@ signals.attach("worker spin", stop)""")
 def test_a_process_forked_after_the_handlers_were_installed_still_stops_on_a_signal() -> None:
     """The handler only queues the signal; a forked child has no thread to take it from the queue unless
     one is started after the fork (``os.register_at_fork``): without it the child would ignore SIGTERM."""
-    proc = subprocess.Popen([sys.executable, "-c", _FORKED_WAIT.replace('print("ready"', 'print(os.getpid(), "ready"')],
+    proc = forkserver.Popen([sys.executable, "-c", _FORKED_WAIT.replace('print("ready"', 'print(os.getpid(), "ready"')],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().split()

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.conftest import MARIADB_URL, PG_URL, ROOT, require_mariadb, require_postgres
 from tests.test_cli import clean_env
 
@@ -24,7 +25,7 @@ BENCH = ROOT / "docs" / "bench"
 
 
 def soak(url: str, out: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, "-m", "sqla_jobs.cli", "bench", "--url", url, "--soak", "12s", "--rate", "40",
          "--window", "3s", "--processes", "2", "--concurrency", "4", "--soak-prune", "2s", "--out", str(out),
          "--json", *extra],
@@ -98,6 +99,8 @@ def test_soak_runs_every_job_once_and_reports_each_window(backend: str, tmp_path
     (("--storage", "fillfactor"), "--storage: 'fillfactor' is not NAME=VALUE, e.g. fillfactor=70"),
     (("--storage", "fillfactor=70"), "--storage: sqlite has no table storage parameters (they are PostgreSQL's)"),
     (("--soak-vacuum", "5s"), "--soak-vacuum: sqlite has no VACUUM of one table (it is PostgreSQL's)"),
+    (("--faults", "1", "--fault-every", "soon"), "--fault-every: 'soon' is not MIN-MAX seconds, e.g. 30-60"),
+    (("--faults", "1", "--fault-every", "5-2"), "--fault-every: '5-2' needs 0 < MIN <= MAX, e.g. 30-60"),
 ])
 def test_soak_says_what_is_wrong_with_its_options(tmp_path: Path, option: tuple[str, str], message: str) -> None:
     result = soak(f"sqlite:///{tmp_path / 'x.db'}", tmp_path / "out", *option, timeout=60)
@@ -105,10 +108,34 @@ def test_soak_says_what_is_wrong_with_its_options(tmp_path: Path, option: tuple[
     assert result.stderr.strip().splitlines()[-1] == f"sqla-jobs: {message}"
 
 
+def test_a_soak_under_faults_commits_every_job_once(tmp_path: Path) -> None:
+    """docs/bench: ``--faults SEED`` kills, stops, stalls workers and cuts their connections; the fleet keeps
+    its size, and every job commits exactly one run (the soak_runs key) with nothing left or dead-lettered."""
+    require_postgres()
+    out = tmp_path / "results"
+    result = forkserver.run(
+        [sys.executable, "-m", "sqla_jobs.cli", "bench", "--url", PG_URL, "--soak", "30s", "--rate", "100",
+         "--window", "5s", "--processes", "2", "--concurrency", "4", "--faults", "46", "--fault-every", "2-4",
+         "--out", str(out), "--json"],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=400,
+    )
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    totals = report["totals"]
+    kinds = [fault["kind"] for fault in totals["faults"]]
+    # Seed 46 draws cut, term, kill, then a stall (which holds the next fault back 15 s).
+    assert {"kill", "term", "stall", "cut"} <= set(kinds) and "stuck" not in kinds, totals["faults"]
+    assert totals["enqueued"] >= 2_900
+    assert (totals["run"], totals["missing"], totals["pending_left"], totals["dead"]) == (totals["enqueued"], 0, 0, 0)
+    assert report["complete"] is True and report["settings"]["faults"] == 46
+    stall = next(fault for fault in totals["faults"] if fault["kind"] == "stall")
+    assert stall["detail"].endswith("stopped for 15s"), stall  # one and a half leases of 10 s
+
+
 def test_compare_soak_writes_one_report_for_the_systems_it_ran(tmp_path: Path) -> None:
     """compare.py --soak without peers (they need pip): the sqla-jobs side, in the combined files."""
     require_postgres()
-    proc = subprocess.run(
+    proc = forkserver.run(
         [sys.executable, str(BENCH / "compare.py"), "--url", PG_URL, "--peers", "", "--soak", "6", "--rate", "30",
          "--window", "3", "--sqla-jobs-soak", "1x4", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=240, cwd=tmp_path,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from sqlalchemy.orm import DeclarativeBase, Session
 from sqla_jobs import DeadJobMixin, InvalidJob, JobMixin, JobQueue
 from sqla_jobs.errors import ConfigError
 from sqla_jobs.testing import run_due
+from tests import forkserver
 from tests.conftest import Database
 
 
@@ -196,7 +196,7 @@ def test_without_pydantic_keys_and_simple_types_are_still_checked() -> None:
             except InvalidJob as exc:
                 print(exc)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True).stdout
+    out = forkserver.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=True).stdout
     assert out.splitlines() == [
         "Welcome(user_id=1, ratio=2, note=['any'])",
         "{'number': 'F-1'}",

@@ -14,7 +14,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from sqla_jobs import Enqueued, InvalidJob, unique_key
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT, Database
 from tests.helpers import count, run_burst
 
@@ -156,7 +156,7 @@ RACE = textwrap.dedent('''
 
 def test_concurrent_callers_in_two_processes_get_one_row(db: Database) -> None:
     for _ in range(3):  # a few rounds: each one a fresh race on a free key
-        procs = [subprocess.Popen([sys.executable, "-c", RACE, str(p)], env=db.env(), cwd=ROOT,
+        procs = [forkserver.Popen([sys.executable, "-c", RACE, str(p)], env=db.env(), cwd=ROOT,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for p in (1, 2)]
         outs = [p.communicate(timeout=120) for p in procs]
         for proc, (_, err) in zip(procs, outs, strict=True):

@@ -25,7 +25,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from sqla_jobs.worker.vacuum import Vacuumer
-from tests import app
+from tests import app, forkserver
 from tests.conftest import PG_URL, ROOT, Database, require_postgres
 from tests.helpers import count, run_burst
 from tests.test_processes import wait_until
@@ -44,15 +44,15 @@ def _enqueue(db: Database, n: int) -> None:
         app.queue.enqueue_many(session, ({"kind": "noop", "payload": {"i": i}} for i in range(n)))
 
 
-def _worker(db: Database, log: Path, *options: str) -> subprocess.Popen[str]:
+def _worker(db: Database, log: Path, *options: str) -> forkserver.Popen:
     """``sqla-jobs worker`` logging at INFO into ``log`` (a file: a line per job would fill a pipe and stall it)."""
     command = [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "INFO", "worker", "--app", "tests.app:queue",
                "--concurrency", "8", "--poll-interval", "0.2", *options]
     with log.open("w") as out:
-        return subprocess.Popen(command, env=db.env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
+        return forkserver.Popen(command, env=db.env(), cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
-def _stop(worker: subprocess.Popen[str], log: Path) -> str:
+def _stop(worker: forkserver.Popen, log: Path) -> str:
     worker.send_signal(signal.SIGTERM)
     worker.wait(timeout=60)
     output = log.read_text()
@@ -134,7 +134,7 @@ def test_a_role_that_may_not_vacuum_is_told_what_to_do(pg: Database, caplog: pyt
 def test_the_claim_walk_bench_reports_each_second(tmp_path: Path) -> None:
     """docs/bench/claim_walk.py, which docs/performance.md quotes, on a small drain."""
     require_postgres()
-    out = subprocess.run(
+    out = forkserver.run(
         [sys.executable, str(ROOT / "docs" / "bench" / "claim_walk.py"), "--url", PG_URL, "--jobs", "30000",
          "--vacuum-dead-rows", "2000"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)},

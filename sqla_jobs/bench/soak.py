@@ -48,11 +48,14 @@ from typing import Any
 from sqlalchemy import create_engine, func, select
 
 from .._bootstrap import database_url, make_engine, missing_database
+from .._context import current_job
 from .._durations import parse_duration
 from ..errors import ConfigError
 from ..worker.config import WorkerConfig
 from ..worker.worker import Worker
+from .app import SoakRun
 from .run import BenchDeadJob, _reset, queue, scratch
+from .soak_faults import FAULT_HEARTBEAT, FAULT_LEASE, Fault, Fleet, inject_faults
 from .soak_load import Tally, collect, produce, prune, vacuum
 from .soak_monitor import pending_and_running, progress_line, sample_now, table_figures, windows_of
 from .soak_report import SoakReport, write_outputs
@@ -69,6 +72,15 @@ def soak(payload: dict[str, Any]) -> None:
     _starts.append((started, payload["n"], started - payload["t"]))
 
 
+@queue.handler("soak_once", transactional=True)
+def soak_once(payload: dict[str, Any]) -> None:
+    """Under faults: the job's number goes into ``soak_runs`` in the job's own transaction (soak_faults)."""
+    soak(payload)
+    session = current_job().session
+    assert session is not None
+    session.add(SoakRun(n=payload["n"]))
+
+
 @dataclasses.dataclass(frozen=True)
 class SoakSettings:
     seconds: float
@@ -82,6 +94,8 @@ class SoakSettings:
     out: Path
     drain_timeout: float
     storage: dict[str, str] = dataclasses.field(default_factory=dict)  # the jobs table's, e.g. fillfactor
+    faults: int | None = None  # the seed of the faults (soak_faults), or None for none
+    fault_every: tuple[float, float] = (30.0, 60.0)  # seconds between two faults, drawn in this range
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> SoakSettings:
@@ -106,23 +120,32 @@ class SoakSettings:
             if not equals or not name.strip() or not value.strip():
                 raise ConfigError(f"--storage: {item!r} is not NAME=VALUE, e.g. fillfactor=70")
             storage[name.strip()] = value.strip()
+        low, dash, high = str(args.fault_every).partition("-")
+        try:
+            fault_every = (float(low), float(high if dash else low))
+        except ValueError:
+            raise ConfigError(f"--fault-every: {args.fault_every!r} is not MIN-MAX seconds, e.g. 30-60") from None
+        if not 0 < fault_every[0] <= fault_every[1]:
+            raise ConfigError(f"--fault-every: {args.fault_every!r} needs 0 < MIN <= MAX, e.g. 30-60")
         return cls(
-            storage=storage,
+            fault_every=fault_every, storage=storage,
             seconds=parse_duration(args.soak), rate=rate, processes=args.processes, concurrency=args.concurrency,
             batch_size=args.batch_size, window=window, prune_after=prune, vacuum_every=vacuum, out=Path(args.out),
-            drain_timeout=parse_duration(args.drain_timeout),
+            drain_timeout=parse_duration(args.drain_timeout), faults=args.faults,
         )
 
 
 # -- worker processes -----------------------------------------------------------------
 
 
-def _worker_main(url: str, concurrency: int, batch_size: int | None, ready: Any, starts: Any) -> None:
+def _worker_main(url: str, concurrency: int, batch_size: int | None, faults: bool, ready: Any, starts: Any) -> None:
     """One worker process; its handlers' start times go to ``starts`` twice a second and at the end."""
     import logging
 
     logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size)
+    if faults:
+        config = dataclasses.replace(config, lease=FAULT_LEASE, heartbeat=FAULT_HEARTBEAT)
     engine = create_engine(url, pool_size=config.pool_size)
     poll = 0.5 if queue.driver(engine).supports_listen else 0.02  # without LISTEN a worker polls
     worker = Worker._from_config(engine, queue, dataclasses.replace(config, poll_interval=poll))
@@ -165,23 +188,34 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
             queue.driver(conn).bench_vacuum(conn)
     ctx = mp.get_context("spawn")
     starts = ctx.Queue()
-    readies = [ctx.Event() for _ in range(settings.processes)]
     rendered = url.render_as_string(hide_password=False)
-    procs = [ctx.Process(target=_worker_main, args=(rendered, settings.concurrency, settings.batch_size, r, starts))
-             for r in readies]
-    for p in procs:
-        p.start()
-    if not all(r.wait(60) for r in readies):
-        for p in procs:
+
+    def start_worker() -> Any:
+        ready = ctx.Event()
+        proc = ctx.Process(target=_worker_main, args=(rendered, settings.concurrency, settings.batch_size,
+                                                      settings.faults is not None, ready, starts))
+        proc.start()
+        if not ready.wait(60):
+            proc.terminate()
+            raise RuntimeError("a soak worker process did not start within 60 s (see its traceback above)")
+        return proc
+
+    fleet = Fleet(start_worker)
+    try:
+        fleet.grow(settings.processes)
+    except BaseException:
+        for p in fleet.procs:
             p.terminate()
-        raise RuntimeError("a soak worker process did not start within 60 s (see its traceback above)")
+        raise
     time.sleep(0.5)  # let them reach their idle wait
     tally = Tally()
     stop_producing, stop_pruning, stop_collecting = threading.Event(), threading.Event(), threading.Event()
     origin = time.time()
     baseline = table_figures(engine)
+    faults: list[Fault] = []
+    kind = "soak" if settings.faults is None else "soak_once"
     threads = [
-        threading.Thread(target=produce, args=(engine, settings.rate, tally, stop_producing), daemon=True),
+        threading.Thread(target=produce, args=(engine, settings.rate, tally, stop_producing, kind), daemon=True),
         threading.Thread(target=collect, args=(starts, tally, origin, settings.window, stop_collecting), daemon=True),
     ]
     if settings.prune_after is not None:
@@ -190,6 +224,10 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
     if settings.vacuum_every is not None:
         threads.append(threading.Thread(target=vacuum, args=(engine, settings.vacuum_every, tally, stop_pruning),
                                         daemon=True))
+    if settings.faults is not None:
+        threads.append(threading.Thread(target=inject_faults, daemon=True,
+                                        args=(settings.faults, settings.fault_every, fleet, engine, origin, faults,
+                                              stop_producing)))
     for t in threads:
         t.start()
     samples: list[dict[str, Any]] = []
@@ -208,7 +246,7 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
             index += 1
             if elapsed >= settings.seconds - 1e-6:
                 threads[0].join(30)
-                if sample["pending"] == 0 and sample["running"] == 0 and tally.sent == tally.unique:
+                if sample["pending"] == 0 and sample["running"] == 0 and tally.sent == _ran(engine, settings, tally):
                     drained_at = elapsed
                     break
                 if elapsed > settings.seconds + settings.drain_timeout:
@@ -217,9 +255,11 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
                     break
     finally:
         stop_producing.set()
-        for p in procs:
+        if settings.faults is not None:
+            threads[-1].join(2 * FAULT_LEASE)  # a stalled worker is let go before the fleet stops
+        for p in fleet.procs:
             p.terminate()  # SIGTERM: graceful; nothing is running once drained
-        for p in procs:
+        for p in fleet.procs:
             p.join(60)
         stop_pruning.set()
         time.sleep(0.6)  # the collector reads what the workers shipped on the way out
@@ -229,8 +269,8 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
     pending, running = pending_and_running(engine)
     with engine.connect() as conn:
         dead = conn.execute(select(func.count()).select_from(BenchDeadJob)).scalar_one()
+    unique = _ran(engine, settings, tally)
     engine.dispose()
-    unique = tally.unique
     return SoakReport(
         windows=windows_of(samples, baseline, tally, origin, settings.window),
         totals={
@@ -240,8 +280,19 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
             "server_autovacuum": {None: None, 1.0: "on", 0.0: "off"}[baseline.get("autovacuum_on")],
             "soak_seconds": settings.seconds, "drained_after_seconds": drained_at,
             "enqueue_rate": tally.sent / settings.seconds if settings.seconds else 0.0,
+            **({} if settings.faults is None else {
+                "duplicates": 0, "reruns": tally.duplicates, "faults": [dataclasses.asdict(f) for f in faults]}),
         },
     )
+
+
+def _ran(engine: Any, settings: SoakSettings, tally: Tally) -> int:
+    """Jobs that ran: the handler starts seen, or under faults the runs committed (``soak_runs``), since a
+    killed worker takes the starts it had not shipped with it, and its jobs' second starts are reruns."""
+    if settings.faults is None:
+        return tally.unique
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(SoakRun)).scalar_one())
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -265,7 +316,7 @@ def run_soak(args: argparse.Namespace) -> int:
         "backend": url.get_backend_name(), "seconds": settings.seconds, "rate": settings.rate,
         "processes": settings.processes, "concurrency": settings.concurrency, "batch_size": settings.batch_size,
         "window": settings.window, "prune_after": settings.prune_after, "storage": settings.storage,
-        "vacuum_every": settings.vacuum_every,
+        "vacuum_every": settings.vacuum_every, "faults": settings.faults,
     }
     files = write_outputs({"sqla-jobs": report}, settings.out)
     report.files = files

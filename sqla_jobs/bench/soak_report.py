@@ -108,6 +108,10 @@ class SoakReport:
                 f"{_num(None if w.hot_update_share is None else 100 * w.hot_update_share, 0):>6} "
                 f"{_num(w.autovacuum_runs, 0):>7} {_num(w.vacuum_runs, 0):>6}")
         lines.append("summary: " + ", ".join(f"{k} {_num(v, 1)}" for k, v in s.items()))
+        if "faults" in t:
+            lines.append(f"faults ({len(t['faults'])}): " + "; ".join(
+                f"{f['at']:.0f}s {f['kind']} ({f['detail']})" for f in t["faults"]))
+            lines.append(f"reruns after faults (a start seen again; each job committed once): {t['reruns']}")
         if t.get("server_autovacuum") == "off":
             lines.append("note: the server runs with autovacuum = off: nothing reclaims dead rows unless "
                          "--soak-vacuum does")
@@ -184,6 +188,12 @@ def plot(reports: dict[str, SoakReport], path: Path) -> str | None:
             for i, xi in enumerate(vacuums):
                 axes[3].axvline(xi, color=colour, alpha=0.3, linewidth=3,
                                 label=f"{system} (auto)vacuum ran" if i == 0 else None)
+        for i, fault in enumerate(report.totals.get("faults", [])):  # soak_faults: what hit the workers, and when
+            for ax in axes:
+                ax.axvline(fault["at"], color="tab:red", alpha=0.5, linewidth=1,
+                           label="fault" if i == 0 and ax is axes[2] else None)
+            axes[0].annotate(fault["kind"], (fault["at"], 1.0), xycoords=("data", "axes fraction"), fontsize=7,
+                             color="tab:red", rotation=90, va="top", ha="right")
         if report.settings.get("seconds"):
             for ax in axes:
                 ax.axvline(report.settings["seconds"], color=colour, linestyle="-.", alpha=0.4)

@@ -262,6 +262,14 @@ class Setup:
         """Set the jobs table's storage parameters (``fillfactor``, ``autovacuum_*``) for a bench run."""
         raise ConfigError(f"--storage: {self.name} has no table storage parameters (they are PostgreSQL's)")
 
+    #: Whether ``bench_cut_connections`` can drop connections from the server side.
+    bench_cuts_connections = False
+
+    def bench_cut_connections(self, conn: Connection) -> int:
+        """Drop every worker's connection to this database from the server side, as a failover or a proxy
+        restart would (the soak's ``cut`` fault); how many."""
+        raise ConfigError(f"{self.name} cannot drop other sessions' connections")
+
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
         """Insert ``rows`` old finished jobs, as an unpruned queue has (the bench's background)."""
         conn.execute(insert(self.jobs), [{"kind": "noop", "payload": {}, "state": "finished", "attempts": 1}] * rows)

@@ -13,7 +13,7 @@ from typing import IO, Any
 
 import pytest
 
-from tests import relay_app
+from tests import forkserver, relay_app
 from tests.conftest import BACKENDS, ROOT, Database, make_database
 
 from .brokers import BROKERS, BrokerSpace, require
@@ -50,14 +50,14 @@ class RelayProcess:
         self.url = url
         self.options = options
         self.log_path = log_path
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: forkserver.Popen | None = None
         self._log: IO[str] | None = None
 
     def start(self) -> RelayProcess:
         self._log = open(self.log_path, "a")  # noqa: SIM115 (closed in stop/kill)
         command = [sys.executable, "-m", "sqla_jobs.cli", "relay", "--app", "tests.relay_app:queue", *self.options]
         env = {**os.environ, "SQLA_JOBS_URL": self.url, "PYTHONPATH": str(ROOT)}
-        self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+        self.proc = forkserver.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                      text=True)
         return self
 

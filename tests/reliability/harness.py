@@ -25,7 +25,7 @@ from typing import Any
 from sqlalchemy import Engine, String, literal, select, union_all
 from sqlalchemy.orm import Session
 
-from tests import app
+from tests import app, forkserver
 from tests.conftest import ROOT
 
 FINISHED_LINE = re.compile(r"job (\d+) \S+ attempt \d+/\d+ \([\d.]+ ms\): finished$", re.M)
@@ -42,7 +42,7 @@ class WorkerProc:
     log_path: Path
     options: dict[str, Any] = field(default_factory=dict)
     handler_url: str | None = None  # the handlers' own database URL, when not the worker's (behind a proxy)
-    proc: subprocess.Popen[bytes] | None = None
+    proc: forkserver.Popen | None = None
 
     def start(self) -> WorkerProc:
         opts = {**FAST, "concurrency": 2, **self.options}
@@ -56,7 +56,7 @@ class WorkerProc:
         env = {**os.environ, "SQLA_JOBS_URL": self.handler_url or self.url, "PYTHONPATH": str(ROOT)}
         env.pop("SQLA_JOBS_APP", None)
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in wait()
-        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.proc = forkserver.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
         return self
 
     @property

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forkserver
 from tests.conftest import ROOT, Database
 
 from .harness import all_settled, check_invariants, dead, effects, enqueue, job, wait_for
@@ -35,7 +36,7 @@ def test_poison_job_under_processes_condemns_no_other_job(db: Database, tmp_path
     ids = [poison, *ordinary]
     log_path = tmp_path / "supervisor.log"
     with open(log_path, "wb") as log_file:
-        supervisor = subprocess.Popen(
+        supervisor = forkserver.Popen(
             [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", "tests.app:queue", "--processes", "2"],
             env=db.env(), cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
         )

@@ -67,3 +67,11 @@ class PgBench:
                 raise ConfigError(f"--storage: {name}={value} is not a storage parameter (e.g. fillfactor=70)")
             settings.append(f"{preparer.quote(name)} = {value}")
         conn.execute(text(f"ALTER TABLE {pg_name(self.jobs)} SET ({', '.join(settings)})"))
+
+    bench_cuts_connections = True
+
+    def bench_cut_connections(self, conn: Connection) -> int:
+        # Workers name their connections (keepalive.py): the soak's own producer and monitor are spared.
+        return int(conn.execute(text(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity WHERE datname = current_database() "
+            "AND pid <> pg_backend_pid() AND application_name LIKE 'sqla-jobs worker %'")).scalar_one())
