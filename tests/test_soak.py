@@ -110,7 +110,7 @@ def test_soak_says_what_is_wrong_with_its_options(tmp_path: Path, option: tuple[
 
 def test_a_soak_under_faults_commits_every_job_once(tmp_path: Path) -> None:
     """docs/bench: ``--faults SEED`` kills, stops, stalls workers and cuts their connections; the fleet keeps
-    its size, and every job commits exactly one run (the soak_runs key) with nothing left or dead-lettered."""
+    its size, and every job finishes (counted in the database) with nothing left or dead-lettered."""
     require_postgres()
     out = tmp_path / "results"
     result = forkserver.run(

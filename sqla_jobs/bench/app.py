@@ -20,7 +20,7 @@ from .._app import JobQueue
 from .._backoff import Backoff
 from .._models import DeadJobMixin, JobMixin
 
-__all__ = ["BenchDeadJob", "BenchJob", "BenchOrder", "PlainJob", "SoakRun", "picked_event", "picked_up", "queue"]
+__all__ = ["BenchDeadJob", "BenchJob", "BenchOrder", "PlainJob", "picked_event", "picked_up", "queue"]
 
 
 class _Base(DeclarativeBase):
@@ -41,13 +41,6 @@ class BenchOrder(_Base):
     __tablename__ = "bench_orders"
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     note: Mapped[str] = mapped_column(String(64))
-
-
-class SoakRun(_Base):
-    """One row per job a fault soak ran, written in the job's transaction: a second committed run cannot be."""
-
-    __tablename__ = "soak_runs"
-    n: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
 
 
 class PlainJob:

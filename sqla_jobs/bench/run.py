@@ -58,7 +58,7 @@ from ..drivers import driver_class
 from ..worker.async_worker import AsyncWorker
 from ..worker.config import WorkerConfig
 from ..worker.worker import Worker
-from .app import BenchDeadJob, BenchJob, BenchOrder, PlainJob, SoakRun, picked_event, picked_up, queue
+from .app import BenchDeadJob, BenchJob, BenchOrder, PlainJob, picked_event, picked_up, queue
 from .enqueue import (
     driver_single,
     enqueue_add_all,
@@ -83,7 +83,6 @@ def _reset(engine: Engine) -> None:
     BenchJob.metadata.drop_all(engine)
     queue.create_tables(engine)
     BenchOrder.__table__.create(engine)
-    SoakRun.__table__.create(engine)
 
 
 def _count_finished(engine: Engine) -> int:

@@ -48,13 +48,11 @@ from typing import Any
 from sqlalchemy import create_engine, func, select
 
 from .._bootstrap import database_url, make_engine, missing_database
-from .._context import current_job
 from .._durations import parse_duration
 from ..errors import ConfigError
 from ..worker.config import WorkerConfig
 from ..worker.worker import Worker
-from .app import SoakRun
-from .run import BenchDeadJob, _reset, queue, scratch
+from .run import BenchDeadJob, BenchJob, _reset, queue, scratch
 from .soak_faults import FAULT_HEARTBEAT, FAULT_LEASE, Fault, Fleet, inject_faults
 from .soak_load import Tally, collect, produce, prune, vacuum
 from .soak_monitor import pending_and_running, progress_line, sample_now, table_figures, windows_of
@@ -70,15 +68,6 @@ _starts: deque[tuple[float, int, float]] = deque()
 def soak(payload: dict[str, Any]) -> None:
     started = time.time()
     _starts.append((started, payload["n"], started - payload["t"]))
-
-
-@queue.handler("soak_once", transactional=True)
-def soak_once(payload: dict[str, Any]) -> None:
-    """Under faults: the job's number goes into ``soak_runs`` in the job's own transaction (soak_faults)."""
-    soak(payload)
-    session = current_job().session
-    assert session is not None
-    session.add(SoakRun(n=payload["n"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,9 +202,8 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
     origin = time.time()
     baseline = table_figures(engine)
     faults: list[Fault] = []
-    kind = "soak" if settings.faults is None else "soak_once"
     threads = [
-        threading.Thread(target=produce, args=(engine, settings.rate, tally, stop_producing, kind), daemon=True),
+        threading.Thread(target=produce, args=(engine, settings.rate, tally, stop_producing), daemon=True),
         threading.Thread(target=collect, args=(starts, tally, origin, settings.window, stop_collecting), daemon=True),
     ]
     if settings.prune_after is not None:
@@ -287,12 +275,14 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
 
 
 def _ran(engine: Any, settings: SoakSettings, tally: Tally) -> int:
-    """Jobs that ran: the handler starts seen, or under faults the runs committed (``soak_runs``), since a
-    killed worker takes the starts it had not shipped with it, and its jobs' second starts are reruns."""
+    """Jobs that ran: the handler starts seen, or under faults the jobs finished (those still in the table and
+    those the pruner deleted), since a killed worker takes the starts it had not shipped with it, and its
+    jobs' second starts are reruns."""
     if settings.faults is None:
         return tally.unique
     with engine.connect() as conn:
-        return int(conn.execute(select(func.count()).select_from(SoakRun)).scalar_one())
+        finished = conn.execute(select(func.count()).select_from(BenchJob).where(BenchJob.state == "finished"))
+        return int(finished.scalar_one()) + tally.pruned
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -23,11 +23,12 @@ moments (the jobs they hit depend on timing). Each one is what production does t
 A worker process that was killed or stopped is replaced at once, so the fleet keeps its size
 (``--processes``, two by default: two hosts' worth of workers on one machine).
 
-Under faults the soak's handler is transactional: it inserts the job's number into ``soak_runs``
-(primary key) in the job's own transaction. A job can therefore commit one run at most, and the
-report counts jobs from that table: every enqueued number must be there once, nothing may be
-left pending or dead-lettered. Handler starts seen twice are reruns after a fault (at-least-once
-delivery, the crash's price), reported as ``reruns``, not as failures. Worker leases are 10 s
+Under faults the report counts the jobs that finished from the database (the finished rows left plus
+those the pruner deleted, each deleted once), not from the handler starts the workers ship: a killed
+worker takes the starts it had not shipped yet with it. Every enqueued job must have finished, with
+nothing left pending or dead-lettered. Handler starts seen twice are reruns after a fault
+(at-least-once delivery, the crash's price), reported as ``reruns``; two runs of one job at once are
+what leases, fencing and self-fencing prevent (``docs/guarantees.md``). Worker leases are 10 s
 (heartbeat 2 s) under faults, so a crashed worker's jobs come back within seconds.
 """
 

@@ -52,7 +52,7 @@ class Tally:
             self.latency_by_window.setdefault(index, array("d")).append(pickup * 1000)
 
 
-def produce(engine: Engine, rate: float | None, tally: Tally, stop: threading.Event, kind: str = "soak") -> None:
+def produce(engine: Engine, rate: float | None, tally: Tally, stop: threading.Event) -> None:
     """``rate`` jobs per second (None: as fast as it can) by ``enqueue_many``, one transaction per tick."""
     start = time.perf_counter()
     while not stop.is_set():
@@ -65,7 +65,7 @@ def produce(engine: Engine, rate: float | None, tally: Tally, stop: threading.Ev
                 continue
         stamp = time.time()
         first = tally.sent
-        rows = ({"kind": kind, "payload": {"n": first + i, "t": stamp}} for i in range(count))
+        rows = ({"kind": "soak", "payload": {"n": first + i, "t": stamp}} for i in range(count))
         with Session(engine) as session, session.begin():
             queue.enqueue_many(session, rows)
         tally.enqueue_times.append(stamp)

@@ -111,7 +111,7 @@ class SoakReport:
         if "faults" in t:
             lines.append(f"faults ({len(t['faults'])}): " + "; ".join(
                 f"{f['at']:.0f}s {f['kind']} ({f['detail']})" for f in t["faults"]))
-            lines.append(f"reruns after faults (a start seen again; each job committed once): {t['reruns']}")
+            lines.append(f"reruns after faults (a start seen again; each job finished once): {t['reruns']}")
         if t.get("server_autovacuum") == "off":
             lines.append("note: the server runs with autovacuum = off: nothing reclaims dead rows unless "
                          "--soak-vacuum does")

@@ -237,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "autovacuum_vacuum_scale_factor=0.01,fillfactor=70")
     p.add_argument("--faults", type=int, metavar="SEED",
                    help="with --soak: a fault every 30 to 60 s (kill, SIGTERM or stall a worker process, cut the "
-                        "workers' connections), drawn from SEED; the report checks every job committed once")
+                        "workers' connections), drawn from SEED; the report checks every job finished once")
     p.add_argument("--fault-every", default="30-60", metavar="MIN-MAX",
                    help="with --faults: seconds between two faults, drawn between MIN and MAX (default 30-60)")
     p.add_argument("--out", default="soak-results", metavar="DIR",
