@@ -280,9 +280,10 @@ def _ran(engine: Any, settings: SoakSettings, tally: Tally) -> int:
     jobs' second starts are reruns."""
     if settings.faults is None:
         return tally.unique
+    pruned = tally.pruned  # read first: a prune committing meanwhile is then missed once, never counted twice
     with engine.connect() as conn:
         finished = conn.execute(select(func.count()).select_from(BenchJob).where(BenchJob.state == "finished"))
-        return int(finished.scalar_one()) + tally.pruned
+        return int(finished.scalar_one()) + pruned
 
 
 def _interrupt(signum: int, frame: Any) -> None:

@@ -47,7 +47,7 @@ from sqlalchemy import Engine
 
 from .run import queue
 
-__all__ = ["FAULT_LEASE", "Fault", "Fleet", "inject_faults"]
+__all__ = ["FAULT_HEARTBEAT", "FAULT_LEASE", "Fault", "Fleet", "inject_faults"]
 
 #: Worker lease and heartbeat under faults: short, so a crash costs seconds, not the default half minute.
 FAULT_LEASE, FAULT_HEARTBEAT = 10.0, 2.0
