@@ -108,7 +108,7 @@ def test_soak_says_what_is_wrong_with_its_options(tmp_path: Path, option: tuple[
     assert result.stderr.strip().splitlines()[-1] == f"sqla-jobs: {message}"
 
 
-def test_a_soak_under_faults_commits_every_job_once(tmp_path: Path) -> None:
+def test_a_soak_under_faults_finishes_every_job_once(tmp_path: Path) -> None:
     """docs/bench: ``--faults SEED`` kills, stops, stalls workers and cuts their connections; the fleet keeps
     its size, and every job finishes (counted in the database) with nothing left or dead-lettered."""
     require_postgres()
