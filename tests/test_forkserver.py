@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,14 @@ def test_a_cli_command_gives_the_same_output_warm_and_cold() -> None:
     assert warm.returncode == 0 and warm.stdout.startswith("sqla-jobs")
 
 
-def test_a_timeout_kills_the_child() -> None:
+def test_a_timeout_kills_the_child(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(600)"
+    started = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        forkserver.run([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
+        forkserver.run([sys.executable, "-c", code], timeout=2)
+    # Not a speed bound: a child left running would hold run() for its whole 600 s sleep.
+    assert time.monotonic() - started < 60
+    pid = int(pid_file.read_text())
+    with pytest.raises(ProcessLookupError):  # killed, and reaped by the server before run() returned
+        os.kill(pid, 0)

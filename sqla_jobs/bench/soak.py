@@ -212,10 +212,11 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
     if settings.vacuum_every is not None:
         threads.append(threading.Thread(target=vacuum, args=(engine, settings.vacuum_every, tally, stop_pruning),
                                         daemon=True))
-    if settings.faults is not None:
-        threads.append(threading.Thread(target=inject_faults, daemon=True,
-                                        args=(settings.faults, settings.fault_every, fleet, engine, origin, faults,
-                                              stop_producing)))
+    injector = None if settings.faults is None else threading.Thread(
+        target=inject_faults, daemon=True,
+        args=(settings.faults, settings.fault_every, fleet, engine, origin, faults, stop_producing))
+    if injector is not None:
+        threads.append(injector)
     for t in threads:
         t.start()
     samples: list[dict[str, Any]] = []
@@ -243,8 +244,8 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
                     break
     finally:
         stop_producing.set()
-        if settings.faults is not None:
-            threads[-1].join(2 * FAULT_LEASE)  # a stalled worker is let go before the fleet stops
+        if injector is not None:
+            injector.join(2 * FAULT_LEASE)  # a stalled worker is let go before the fleet stops
         for p in fleet.procs:
             p.terminate()  # SIGTERM: graceful; nothing is running once drained
         for p in fleet.procs:
@@ -259,17 +260,19 @@ def soak_run(url: Any, settings: SoakSettings) -> SoakReport:
         dead = conn.execute(select(func.count()).select_from(BenchDeadJob)).scalar_one()
     unique = _ran(engine, settings, tally)
     engine.dispose()
+    # Under faults a start seen twice is a rerun after a crash (at-least-once), not a duplicate: the count
+    # of jobs run comes from the finished rows, where a job cannot finish twice.
+    seen_twice = {"duplicates": tally.duplicates} if settings.faults is None else {
+        "reruns": tally.duplicates, "faults": [dataclasses.asdict(f) for f in faults]}
     return SoakReport(
         windows=windows_of(samples, baseline, tally, origin, settings.window),
         totals={
-            "enqueued": tally.sent, "run": unique, "missing": tally.sent - unique, "duplicates": tally.duplicates,
+            "enqueued": tally.sent, "run": unique, "missing": tally.sent - unique, **seen_twice,
             "pending_left": pending, "running_left": running, "dead": dead, "pruned": tally.pruned,
             "vacuums": tally.vacuums,
             "server_autovacuum": {None: None, 1.0: "on", 0.0: "off"}[baseline.get("autovacuum_on")],
             "soak_seconds": settings.seconds, "drained_after_seconds": drained_at,
             "enqueue_rate": tally.sent / settings.seconds if settings.seconds else 0.0,
-            **({} if settings.faults is None else {
-                "duplicates": 0, "reruns": tally.duplicates, "faults": [dataclasses.asdict(f) for f in faults]}),
         },
     )
 

@@ -54,7 +54,7 @@ class SoakReport:
     def complete(self) -> bool:
         """Every enqueued job ran, exactly once, and nothing is left."""
         t = self.totals
-        return (t["missing"] == 0 and t["duplicates"] == 0 and t.get("pending_left", 0) == 0
+        return (t["missing"] == 0 and t.get("duplicates", 0) == 0 and t.get("pending_left", 0) == 0
                 and t.get("running_left", 0) == 0 and t.get("dead", 0) == 0)
 
     def summary(self) -> dict[str, Any]:
@@ -95,7 +95,7 @@ class SoakReport:
         t, s = self.totals, self.summary()
         lines = [f"\n{self.system} soak: {t['enqueued']:,} jobs enqueued in {t['soak_seconds']:g}s "
                  f"({t['enqueue_rate']:,.0f}/s); run {t['run']:,}, missing {t['missing']}, duplicates "
-                 f"{t['duplicates']}, left pending {t['pending_left']}; drained after "
+                 f"{t.get('duplicates', '— (reruns below)')}, left pending {t['pending_left']}; drained after "
                  f"{_num(t['drained_after_seconds'], 1)}s",
                  f"{'window':>7} {'phase':<5} {'enq/s':>8} {'run/s':>8} {'p50 ms':>7} {'p95 ms':>7} {'p99 ms':>7} "
                  f"{'pending':>8} {'table MB':>8} {'index MB':>8} {'dead tup':>9} {'HOT %':>6} {'autovac':>7} "
