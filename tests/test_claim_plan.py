@@ -127,3 +127,34 @@ def test_mariadb_claims_by_an_index_range_with_a_million_finished_rows(mariadb: 
     table = step["table"]
     assert table["key"] == "ix_jobs_pending" and "filesort" not in text, text
     assert table["r_rows"] <= 20, text  # the batch and a few more, never the finished million
+
+
+def test_mariadb_locks_a_workers_running_jobs_by_primary_key(mariadb: Database) -> None:
+    """A heartbeat (or a finish) locks the worker's running rows through the primary key, the order every
+    other write takes them in. Reading them through the claim index (``state = 'running'`` is a small range
+    there) locked that index's entries first: a handler's transaction finishing one of those jobs holds the
+    row and needs its index entry, which the heartbeat holds while it waits for the row, and InnoDB broke
+    the circle by rolling the handler's work back ("Deadlock found", a failed attempt for a committed job)."""
+    driver = app.queue.driver(mariadb.engine)
+    enqueue_backlog(mariadb, 1000)
+    with mariadb.engine.connect() as conn:
+        jobs, _ = driver.claim_batch(conn, 8, "plan-test", uuid.uuid4().hex, 60.0, None, False)
+        conn.commit()
+        conn.exec_driver_sql("ANALYZE TABLE jobs")
+    sent: list[tuple[str, Any]] = []
+    with mariadb.engine.connect() as conn:
+
+        def keep(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+            sent.append((statement, parameters))
+
+        event.listen(conn, "before_cursor_execute", keep)
+        held = driver.heartbeat(conn, [job.fence for job in jobs], 60.0)
+        event.remove(conn, "before_cursor_execute", keep)
+        conn.rollback()
+    assert len(held) == 8
+    statement, params = next((s, p) for s, p in sent if "FOR UPDATE" in s)
+    with mariadb.engine.connect() as conn:
+        analyzed = json.loads(conn.exec_driver_sql("ANALYZE FORMAT=JSON " + statement, params).scalar_one())
+        conn.rollback()
+    (step,) = analyzed["query_block"]["nested_loop"]
+    assert step["table"]["key"] == "PRIMARY", json.dumps(analyzed)

@@ -35,11 +35,14 @@ def test_committed_transactional_jobs_are_all_reported_finished(db: Database) ->
     n, workers_n = 600, 3
     ids = enqueue(db.engine, "once", n=n)
     events: Counter[tuple[str, int]] = Counter()
+    errors: dict[int, str | None] = {}
     lock = threading.Lock()
 
     def hook(event: JobEvent) -> None:
         with lock:
             events[(event.name, event.id)] += 1
+            if event.name != "finished":
+                errors[event.id] = event.error
 
     for name in ("finished", "lost", "failed", "dead_letter"):
         app.queue.on(name)(hook)
@@ -66,7 +69,8 @@ def test_committed_transactional_jobs_are_all_reported_finished(db: Database) ->
     assert once_rows == n, "every transactional job committed exactly once"
     finished = {job_id for (name, job_id) in events if name == "finished"}
     others = {key: count for key, count in events.items() if key[0] != "finished"}
-    assert not others, f"committed jobs reported as something else: {dict(list(others.items())[:10])}"
+    assert not others, (f"committed jobs reported as something else: {dict(list(others.items())[:10])}; "
+                        f"errors: {dict(list(errors.items())[:3])}")
     assert len(finished) == n, f"{n - len(finished)} committed jobs were never reported finished"
     assert all(events[("finished", job_id)] == 1 for job_id in ids), "a job reported finished twice"
     assert sum(w.processed for w in pool) == n, "processed counts every committed job once"

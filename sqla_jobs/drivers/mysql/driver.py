@@ -155,10 +155,18 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
 
     holder_lock: ClassVar[dict[str, Any] | None] = {"read": True}  # a locking read sees the latest commit
 
-    def _lock_fenced(self, conn: Connection, fences: Sequence[Fence]) -> list[Any]:
-        """Lock the rows still held under ``fences`` (there is no UPDATE … RETURNING to tell us)."""
+    def _lock_fenced(self, conn: Connection, fences: Sequence[Fence], *columns: Any) -> list[Any]:
+        """Lock the rows still held under ``fences`` (there is no UPDATE … RETURNING to tell us).
+
+        Through the primary key, always: a few running rows are a small range of the claim and lease
+        indexes, which the optimizer may prefer, and a locking read through one of those locks its
+        entries before the rows. A handler's transaction finishing one of those jobs holds the row and then
+        needs that entry (the state changes), so the two waited on each other and InnoDB rolled the
+        handler's work back (tests/test_claim_plan.py).
+        """
         t = self.jobs
-        stmt = select(t.c.id, t.c.claim_token).where(self.fenced(fences)).with_for_update()
+        stmt = (select(*(columns or (t.c.id, t.c.claim_token))).with_hint(t, "FORCE INDEX (PRIMARY)")
+                .where(self.fenced(fences)).with_for_update())
         return list(conn.execute(stmt))
 
     def claim_batch(
@@ -242,7 +250,7 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
 
     def dead_letter(self, conn: Connection, fence: Fence, error: str) -> bool:
         t, d = self.jobs, self.dead
-        row = conn.execute(select(t).where(self.fenced([fence])).with_for_update()).first()
+        row = next(iter(self._lock_fenced(conn, [fence], t)), None)
         if row is None:
             return False
         conn.execute(delete(t).where(t.c.id == row.id))
