@@ -397,3 +397,32 @@ def cooperative_tx(payload: dict[str, Any]) -> Any:
     job.session.add(Once(job_id=job.id))
     job.cancelled.wait(60)
     return "wrote, then saw the request"
+
+
+def _span_line(path: str, *fields: Any) -> None:
+    # One short O_APPEND write per line: lines from several processes never interleave.
+    with open(path, "a") as spans:
+        spans.write(" ".join(map(str, fields)) + "\n")
+
+
+@queue.handler("span")
+def span(payload: dict[str, Any]) -> None:
+    """Logs its start and its end (wall clock) to ``payload["spans"]``, runs ``sleep`` seconds or until
+    cancelled: tests/reliability/test_matrix.py replays the lines to find runs of one job that overlapped."""
+    job = current_job()
+    _span_line(payload["spans"], "start", job.id, job.attempt, os.getpid(), time.time())
+    job.cancelled.wait(payload["sleep"])
+    _span_line(payload["spans"], "end", job.id, job.attempt, os.getpid(), time.time(), int(job.cancelled.is_set()))
+
+
+@queue.handler("async_span")
+async def async_span(payload: dict[str, Any]) -> None:
+    """``span`` for the async worker: a cancel arrives as ``CancelledError``, and the end is logged anyway."""
+    job = current_job()
+    _span_line(payload["spans"], "start", job.id, job.attempt, os.getpid(), time.time())
+    cancelled = 1
+    try:
+        await asyncio.sleep(payload["sleep"])
+        cancelled = 0
+    finally:
+        _span_line(payload["spans"], "end", job.id, job.attempt, os.getpid(), time.time(), cancelled)

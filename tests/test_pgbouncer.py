@@ -12,93 +12,25 @@ connection without it (``prepared statement "_pg3_0" does not exist``). With
 from __future__ import annotations
 
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, create_engine, insert, make_url, text
+from sqlalchemy import Engine, create_engine, insert, text
 
 from tests import app, forkserver
-from tests.conftest import IN_CI, PG_URL, ROOT, require_postgres
+from tests.conftest import ROOT
 from tests.helpers import count
-
-PGBOUNCER = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.pgbouncer import running_pgbouncer
 
 
 @pytest.fixture
 def bouncer() -> Iterator[tuple[str, str]]:
     """(URL through PgBouncer, direct URL) of a fresh database; PgBouncer in transaction mode in front."""
-    require_postgres()
-    if not os.path.exists(PGBOUNCER):
-        if IN_CI:
-            pytest.fail("pgbouncer is not installed: .ci/run installs it (apt-get install -y pgbouncer)")
-        pytest.skip("pgbouncer is not installed (apt-get install -y pgbouncer)")
-    base = make_url(PG_URL)
-    name = f"sqla_jobs_pgb_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    # PgBouncer refuses to run as root: it runs as postgres, which cannot enter pytest's private tmp_path.
-    folder = Path(tempfile.mkdtemp(prefix="sqla-jobs-pgbouncer-"))
-    folder.chmod(0o777)  # its log and pid file go here
-    port = free_port()
-    (folder / "userlist.txt").write_text(f'"{base.username}" ""\n')
-    (folder / "pgbouncer.ini").write_text(f"""\
-[databases]
-jobs = host={base.host} port={base.port or 5432} dbname={name} user={base.username}
-
-[pgbouncer]
-listen_addr = 127.0.0.1
-listen_port = {port}
-unix_socket_dir =
-auth_type = trust
-auth_file = {folder / 'userlist.txt'}
-pool_mode = transaction
-default_pool_size = 4
-server_round_robin = 1
-max_client_conn = 200
-logfile = {folder / 'pgbouncer.log'}
-pidfile = {folder / 'pgbouncer.pid'}
-""")
-    command = [PGBOUNCER, str(folder / "pgbouncer.ini")]
-    if os.geteuid() == 0:
-        command = ["runuser", "-u", "postgres", "--", *command]
-    process = forkserver.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    log = (folder / "pgbouncer.log").read_text() if (folder / "pgbouncer.log").exists() else ""
-                    raise RuntimeError(f"pgbouncer did not start: {process.stdout.read() if process.stdout else ''}"
-                                       f"{log}") from None
-                time.sleep(0.1)
-        through = base.set(port=port, database="jobs").render_as_string(hide_password=False)
-        direct = base.set(database=name).render_as_string(hide_password=False)
-        yield through, direct
-    finally:
-        process.terminate()
-        process.wait(10)
-        shutil.rmtree(folder, ignore_errors=True)
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-        admin.dispose()
+    with running_pgbouncer() as urls:
+        yield urls
 
 
 def start_workers(url: str, processes: int) -> list[forkserver.Popen]:

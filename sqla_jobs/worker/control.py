@@ -23,9 +23,9 @@ Rules it keeps (module docstring of ``sqla_jobs.worker.worker`` for the whole st
 * progress values handlers set are written at most once a second;
 * a job whose last worker was lost runs alone: nothing else is claimed while
   it runs, and once one is waiting the worker drains to claim it alone;
-* after a database error, the next try waits ``Store.retry_pause``; outcomes
-  not yet written stay in memory meanwhile; back, it renews its leases first,
-  and does not reap for one lease (nobody could renew during the outage);
+* after a database error, the next try waits ``Store.retry_pause``; outcomes not yet written stay in
+  memory meanwhile; back, it renews its leases first, hands back the jobs a claim cut short left it
+  (``Store.hand_back_strays``), and does not reap for one lease (nobody could renew meanwhile);
 * stopping: no more claims; running jobs get ``grace`` seconds, then are handed back;
 * a run whose lease went unrenewed for 2/3 of it is stopped (``LeaseGuard``); nothing is claimed
   until a heartbeat succeeds, and then the stopped jobs are handed back;
@@ -65,9 +65,8 @@ PROGRESS_EVERY = 1.0
 #: Least seconds between cancel checks prompted by notifications (a busy enqueuer notifies often).
 CANCEL_CHECK_EVERY = 0.5
 
-READ_ONLY_LINE = ("worker %s: the database takes no writes (a standby, or switched to read-only): nothing is "
-                  "claimed or written, and no attempt is charged, until a writable server answers; trying every "
-                  "%.0fs. %s")
+READ_ONLY_LINE = ("worker %s: the database takes no writes (a standby, or switched to read-only): nothing is claimed"
+                  " or written, and no attempt is charged, until a writable server answers; trying every %.0fs. %s")
 #: One claim to make this turn: the queues it takes from (None: the worker's) and how many jobs at most.
 Claim = tuple[Sequence[str] | None, int]
 
@@ -145,7 +144,7 @@ class Control:
                     if db_failures:  # back: renew ours first; nobody could meanwhile, so no reaping for a lease
                         self._reap_after = now + self.config.lease
                     if now >= next_heartbeat or db_failures:
-                        self._heartbeat_and_reap(now)
+                        self._heartbeat_and_reap(now, after_outage=db_failures > 0)
                         next_heartbeat = now + self.config.heartbeat_every
                     if self._should_prune(now):
                         deleted = self.store.prune(self.config.prune_after or 0.0, PRUNE_BATCH)
@@ -328,11 +327,13 @@ class Control:
         if jobs:
             ex.flush()
 
-    def _heartbeat_and_reap(self, now: float) -> None:
+    def _heartbeat_and_reap(self, now: float, after_outage: bool = False) -> None:
         ex = self.executor
         held = [run.job.fence for run in ex.live()]
         held += [o.job.fence for o in self._unwritten if o.result not in ("committed", "lost")]  # no longer ours
         held += self.guard.held()  # stopped by self-fencing, their handlers not yet returned
+        if after_outage:
+            self.store.hand_back_strays(held)
         sent = time.monotonic()
         if held:
             kept, cancels = self.store.heartbeat(held)

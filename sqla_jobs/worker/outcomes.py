@@ -25,6 +25,7 @@ path: no per-job work is added there); ``decide("ok", ...)`` states the rule.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -177,7 +178,7 @@ _LOST_LOG = {
 
 
 def hand_back_lost(queue: JobQueue[Any, Any], engine: Engine, driver: Driver,
-                   find: Callable[[Connection], list[Any]], why: str) -> int:
+                   find: Callable[[Connection], list[Any]], why: str, patience: float | None = None) -> int:
     """Hand back the runs of a lost worker that ``find`` returns (rows shaped like ``Driver.expired``'s).
 
     Two callers find such runs: the lease reaper (a worker stopped heartbeating: ``Driver.expired``) and
@@ -188,9 +189,20 @@ def hand_back_lost(queue: JobQueue[Any, Any], engine: Engine, driver: Driver,
     anything else is due now and marked ``isolate``, so its next run is alone in a worker process (one
     job at most killed the process; running each alone sorts the culprit from the bystanders). Hooks
     hear of each once the transaction has committed. Returns how many were handed back.
+
+    ``patience`` (the reaper's): if starting the write transaction waited longer than that, hand back
+    nothing this time. Only SQLite's write lock makes the start wait, and whoever held it that long was
+    alive and may be the very worker whose leases look expired, frozen (a stopped process, a long pause)
+    with the lock in hand: reaped the instant it resumes, its handler would still be running beside the
+    retry. By the next turn it has renewed its leases, or it really is gone.
     """
     events = []
+    began = time.monotonic()
     with driver.write(engine) as conn:
+        if patience is not None and time.monotonic() - began > patience:
+            log.info("the lease reaper waited %.1fs for the database's write lock: it looks again next turn",
+                     time.monotonic() - began)
+            return 0
         for row in find(conn):
             error = f"WorkerLost: {why.format(row=row)} during attempt {row.attempts}"
             verdict = settle(driver, conn, (row.id, row.claim_token), "lost", row.attempts, row.max_attempts,

@@ -214,6 +214,23 @@ class Store:
         with self._hot() as conn:
             return hand_back_unfinished(self.driver, conn, fences)
 
+    def hand_back_strays(self, known: Sequence[Fence]) -> int:
+        """After an outage: hand back the runs the database holds under this worker's name that the worker
+        does not know of, with their attempt refunded (``shutdown``'s verdict: they never started).
+
+        A claim whose commit went through while its connection died before the reply came back leaves
+        such rows: nobody runs them, and the reaper would charge each a lost attempt once the lease ran out.
+        """
+        ours = set(known)
+        with self.driver.write(self.engine) as conn:
+            strays = [(r.id, r.claim_token) for r in self.driver.held_by(conn, self.worker_name)
+                      if (r.id, r.claim_token) not in ours]
+            count = hand_back_unfinished(self.driver, conn, strays)
+        if count:
+            log.warning("worker %s: %d job(s) claimed as the connection dropped handed back, attempts refunded",
+                        self.worker_name, count)
+        return count
+
     # -- the rare outcomes -------------------------------------------------------------
 
     def settle(self, outcomes: list[Outcome]) -> None:
@@ -265,10 +282,11 @@ class Store:
     def reap(self) -> None:
         """Hand back jobs whose worker vanished, by the outcome policy's ``lost`` (the lost attempt counts,
         and the job's next run is alone in its worker process). Not in the first lease after the database
-        server started (``Driver.expired``): live workers renew then what an outage let run out."""
+        server started (``Driver.expired``): live workers renew then what an outage let run out. Nor after
+        waiting a third of a lease for SQLite's write lock (``hand_back_lost``'s ``patience``)."""
         hand_back_lost(self.queue, self.engine, self.driver,
                        lambda conn: self.driver.expired(conn, settle=self.lease),
-                       "worker {row.locked_by} stopped heartbeating (lease expired)")
+                       "worker {row.locked_by} stopped heartbeating (lease expired)", patience=self.lease / 3)
 
     def upkeep(self) -> None:
         """The table's own upkeep (``Driver.upkeep``: the coming days' partitions of a partitioned table).

@@ -6,6 +6,7 @@ Also the per-kind timeout, whose abandoned run is fenced off the same way.
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -150,6 +151,34 @@ def test_reaper_never_touches_a_live_lease(db: Database) -> None:
     with sql.write(db.engine) as conn:
         assert sql.finish(conn, [fence]) == set()
     check_invariants(db.engine, [job_id])
+
+
+def test_reaper_that_waited_for_sqlites_write_lock_looks_again_next_turn(tmp_path: Path) -> None:
+    """Whoever held SQLite's write lock while the reaper waited was alive, and may be the worker whose lease
+    ran out while it was frozen with the lock in hand (the matrix's stale-worker scenario once saw that
+    worker's handler still running beside the retry the reaper started the moment it resumed). A reaper that
+    waited a third of a lease hands back nothing; its next turn, without the wait, does."""
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    engine = create_engine(url)
+    app.queue.create_tables(engine)
+    app.Base.metadata.create_all(engine)
+    db = Database("sqlite", url, engine)
+    [job_id] = enqueue(engine, "record", max_attempts=3)
+    claim_one(db, lease=60)
+    expire(db, job_id)
+    worker = Worker(engine, app.queue, lease=1.5)
+    holder = create_engine(url).connect()
+    holder.exec_driver_sql("BEGIN IMMEDIATE")  # a frozen worker's write transaction, lock held
+    reaper = threading.Thread(target=worker._reap)
+    reaper.start()
+    time.sleep(1.0)  # the reaper waits for the lock past 0.5 s, a third of its lease
+    holder.rollback()
+    holder.close()
+    reaper.join(30)
+    assert job(engine, job_id).state == "running", "reaped right after waiting out the lock's holder"
+    worker._reap()
+    assert job(engine, job_id).state == "pending" and job(engine, job_id).attempts == 1
+    engine.dispose()
 
 
 def test_reaper_racing_a_completion_only_one_wins(pg: Database) -> None:

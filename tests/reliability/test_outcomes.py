@@ -125,3 +125,26 @@ def test_a_commit_whose_reply_was_lost_is_reported_finished(db: Database) -> Non
             app.queue.off(name, hook)
     assert check_invariants(db.engine, [job_id]) == {job_id: "finished"}
     assert heard == [("finished", job_id)] and worker.processed == 1
+
+
+def test_jobs_a_cut_claim_left_the_worker_go_back_with_their_attempts_refunded(db: Database) -> None:
+    """A claim can commit while its connection dies before the reply: the rows are the worker's, and it
+    does not know them. Back from the outage it hands them back, uncharged (the scenario matrix's connection
+    kills found them charged a lost attempt each, by the reaper, a lease later)."""
+    ids = enqueue(db.engine, "noop", n=3)
+    worker = Worker(db.engine, app.queue)
+    store = worker._store
+    driver = app.queue.driver(db.engine)
+    with driver.write(db.engine) as conn:  # the claim whose reply was lost
+        claimed, _ = driver.claim_batch(conn, 3, store.worker_name, "cut-claim", 60.0, None, False)
+    assert len(claimed) == 3
+    known = claimed[0].fence  # one the worker did hear of, running
+    assert store.hand_back_strays([known]) == 2
+    table = app.Job.__table__
+    with db.engine.connect() as conn:
+        rows = {r.id: r for r in conn.execute(select(table.c.id, table.c.state, table.c.attempts)
+                                             .where(table.c.id.in_(ids)))}
+    assert rows[known[0]].state == "running"
+    strays = [job.id for job in claimed[1:]]
+    assert [(rows[i].state, rows[i].attempts) for i in strays] == [("pending", 0), ("pending", 0)]
+    assert store.hand_back_strays([known]) == 0

@@ -171,7 +171,7 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
             return url, {}
         if isinstance(raw, tuple):
             raise ConfigError("--url: give prepare_threshold once")
-        if url.get_driver_name() != "psycopg":
+        if url.get_driver_name() not in ("psycopg", "psycopg_async"):  # the async worker's dialect is psycopg too
             raise ConfigError(f"--url: prepare_threshold is a setting of psycopg 3, not of {url.get_driver_name()}")
         value: int | None
         if raw.strip().lower() in ("none", "null", "off", ""):
