@@ -9,7 +9,10 @@ reads back what happened and fills a :class:`Report`:
     transactional jobs (``once_slow``) whose effect committed other than exactly once.
 ``overlapping``
     jobs two of whose runs (``span``: each run logs its start and end, wall clock, one host) were executing
-    at the same instant. A run on a process the scenario froze (SIGSTOP) is not executing while frozen.
+    at the same instant. A run on a process the scenario froze (SIGSTOP) is not executing while frozen, nor
+    in its first ``RESUME_SLACK`` seconds back: a resumed thread runs on from where it stopped before any
+    check can reach it (fencing discards what it writes; a handler's next look at ``job.cancelled`` stops
+    it), so the scenario counts a stale run that goes on past that.
 ``misreported``
     runs a worker logged as finished that did not finish, or a job reported finished twice.
 ``wrongly charged``
@@ -95,6 +98,10 @@ def read_spans(path: Path) -> list[Span]:
     return list(runs.values())
 
 
+#: Seconds of a frozen process's run just after it resumes that do not count as executing (see ``overlapping``).
+RESUME_SLACK = 0.1
+
+
 def executing(span: Span, died: dict[int, float], frozen: dict[int, list[tuple[float, float]]],
               now: float) -> list[tuple[float, float]]:
     """The intervals in which ``span`` was really executing: up to its end (or its process's death), minus
@@ -102,7 +109,8 @@ def executing(span: Span, died: dict[int, float], frozen: dict[int, list[tuple[f
     end = span.end if span.end is not None else died.get(span.pid, now)
     pieces = [(span.start, end)]
     for stopped, resumed in frozen.get(span.pid, []):
-        pieces = [part for a, b in pieces for part in ((a, min(b, stopped)), (max(a, resumed), b)) if part[0] < part[1]]
+        pieces = [part for a, b in pieces for part in ((a, min(b, stopped)), (max(a, resumed + RESUME_SLACK), b))
+                  if part[0] < part[1]]
     return pieces
 
 

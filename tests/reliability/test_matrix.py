@@ -282,3 +282,9 @@ def test_overlaps_are_measured_on_executing_time() -> None:
     assert overlapping_jobs([Span(1, 10, 0.0, 5.1), later], {}, frozen, 9.0) == []
     assert overlapping_jobs([Span(1, 10, 0.0, None), later], {10: 0.9}, {}, 9.0) == []
     assert overlapping_jobs([Span(1, 10, 0.0, None), later], {}, {}, 9.0) == [1]
+    # the job 26 the matrix once saw on SQLite: frozen at 0.614, its retry started at 5.365, resumed at 5.614
+    retry = Span(26, 22327, 5.365, 5.615)
+    assert overlapping_jobs([Span(26, 22326, 0.540, 5.6145), retry], {}, {22326: [(0.614, 5.614)]}, 9.0) == []
+    # a stale run that goes on past the slack, while the retry still runs, does overlap
+    longer = Span(26, 22327, 5.365, 5.8)
+    assert overlapping_jobs([Span(26, 22326, 0.540, 5.9), longer], {}, {22326: [(0.614, 5.614)]}, 9.0) == [26]
