@@ -107,8 +107,16 @@ def _tables(engine: Engine, partitioned: bool = False) -> None:
 
 @pytest.fixture
 def target(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
-    configuration = str(request.param)
-    app._engine = None
+    app._engine = None  # the handlers' engine follows SQLA_JOBS_URL
+    try:
+        yield from _targets(str(request.param), tmp_path, monkeypatch)
+    finally:
+        if app._engine is not None:
+            app._engine.dispose()
+            app._engine = None
+
+
+def _targets(configuration: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
     if configuration == "pgbouncer":
         with running_pgbouncer() as (through, direct):
             engine = create_engine(direct, poolclass=NullPool)
@@ -130,9 +138,6 @@ def target(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.M
                else _pg_cut(db.url))
         yield Target(configuration, db.url, engine, cut=cut)
         engine.dispose()
-    if app._engine is not None:
-        app._engine.dispose()
-        app._engine = None
 
 
 class Fleet:
