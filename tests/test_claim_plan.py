@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -98,6 +99,26 @@ def test_the_planner_settings_end_with_the_claim(pg: Database) -> None:
         conn.commit()
 
 
+def mariadb_plan(db: Database, call: Callable[[Connection], Any], marker: str) -> tuple[Any, dict[str, Any]]:
+    """Run ``call`` on a connection to ``db`` (rolled back after), then the statement it sent that contains
+    ``marker`` again under ``ANALYZE FORMAT=JSON``: ``call``'s result and the plan MariaDB really ran."""
+    sent: list[tuple[str, Any]] = []
+
+    def keep(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        sent.append((statement, parameters))
+
+    with db.engine.connect() as conn:
+        event.listen(conn, "before_cursor_execute", keep)
+        result = call(conn)
+        event.remove(conn, "before_cursor_execute", keep)
+        conn.rollback()
+    statement, params = next((s, p) for s, p in sent if marker in s)
+    with db.engine.connect() as conn:
+        analyzed = json.loads(conn.exec_driver_sql("ANALYZE FORMAT=JSON " + statement, params).scalar_one())
+        conn.rollback()
+    return result, analyzed
+
+
 def test_mariadb_claims_by_an_index_range_with_a_million_finished_rows(mariadb: Database) -> None:
     """MariaDB has no partial index: the claim's index leads with ``state``, so the claim reads the pending
     range in claim order and never the finished rows (issue 15, docs/howto/backends.md). The statement is the
@@ -106,22 +127,12 @@ def test_mariadb_claims_by_an_index_range_with_a_million_finished_rows(mariadb: 
     with driver.write(mariadb.engine) as conn:
         driver.bench_fill_finished(conn, 1_000_000)
     enqueue_backlog(mariadb, 1000)
-    sent: list[tuple[str, Any]] = []
     with mariadb.engine.connect() as conn:
         conn.exec_driver_sql("ANALYZE TABLE jobs")
-
-        def keep(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
-            sent.append((statement, parameters))
-
-        event.listen(conn, "before_cursor_execute", keep)
-        jobs, _ = driver.claim_batch(conn, 10, "plan-test", uuid.uuid4().hex, 60.0, None, False)
-        event.remove(conn, "before_cursor_execute", keep)
-        conn.rollback()
+    (jobs, _), analyzed = mariadb_plan(
+        mariadb, lambda conn: driver.claim_batch(conn, 10, "plan-test", uuid.uuid4().hex, 60.0, None, False),
+        "SKIP LOCKED")
     assert len(jobs) == 10
-    statement, params = next((s, p) for s, p in sent if "SKIP LOCKED" in s)
-    with mariadb.engine.connect() as conn:
-        analyzed = json.loads(conn.exec_driver_sql("ANALYZE FORMAT=JSON " + statement, params).scalar_one())
-        conn.rollback()
     text = json.dumps(analyzed)
     (step,) = analyzed["query_block"]["nested_loop"]
     table = step["table"]
@@ -141,20 +152,8 @@ def test_mariadb_locks_a_workers_running_jobs_by_primary_key(mariadb: Database) 
         jobs, _ = driver.claim_batch(conn, 8, "plan-test", uuid.uuid4().hex, 60.0, None, False)
         conn.commit()
         conn.exec_driver_sql("ANALYZE TABLE jobs")
-    sent: list[tuple[str, Any]] = []
-    with mariadb.engine.connect() as conn:
-
-        def keep(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
-            sent.append((statement, parameters))
-
-        event.listen(conn, "before_cursor_execute", keep)
-        held = driver.heartbeat(conn, [job.fence for job in jobs], 60.0)
-        event.remove(conn, "before_cursor_execute", keep)
-        conn.rollback()
+    held, analyzed = mariadb_plan(mariadb, lambda conn: driver.heartbeat(conn, [job.fence for job in jobs], 60.0),
+                                  "FOR UPDATE")
     assert len(held) == 8
-    statement, params = next((s, p) for s, p in sent if "FOR UPDATE" in s)
-    with mariadb.engine.connect() as conn:
-        analyzed = json.loads(conn.exec_driver_sql("ANALYZE FORMAT=JSON " + statement, params).scalar_one())
-        conn.rollback()
     (step,) = analyzed["query_block"]["nested_loop"]
     assert step["table"]["key"] == "PRIMARY", json.dumps(analyzed)
