@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 
 from tests import app, netns
 from tests.conftest import IN_CI, ROOT, Database, make_database
+from tests.reliability.matrix import Span, overlapping_jobs
 
 # Recovery within a lease is a time bound, and the hosts drain at full speed: alone, after the parallel phase.
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
@@ -139,3 +140,56 @@ def test_a_host_cut_off_mid_run_loses_its_jobs_for_one_lease_only(pg: Database) 
     assert done == ids  # every job committed once, the stranded ones by another host
     assert all(j.attempts == 2 and not j.locked_by.startswith("host0") for j in retried.values())
     assert recovered_after < LEASE + HEARTBEAT + 5
+
+
+def test_a_silently_partitioned_host_stops_its_handlers_before_another_host_takes_over(
+        pg: Database, tmp_path: Path) -> None:
+    """Issue 32 #2 at the packet level: host 0's link goes down in the middle of its runs (no reset: its
+    connections hang). Its handlers, which honour ``job.cancelled``, are stopped by self-fencing (2/3 of the
+    lease after the last renewal) before the lease runs out and another host runs the jobs again: no two
+    runs of one job at once across hosts, none lost, each finished. The link comes back, and host 0 claims
+    and finishes jobs again, then stops cleanly."""
+    runs = tmp_path / "runs.log"
+    payload = {"first": 4.0, "later": 0.1, "runs": str(runs)}  # attempt 1 outlasts the lease; a retry is quick
+    timing = ("--concurrency", "4", "--lease", str(LEASE), "--heartbeat", str(HEARTBEAT))
+    with netns.hosts(3) as hosts:
+        for host in hosts:
+            start_host(host, pg, *timing)
+        with Session(pg.engine) as session, session.begin():
+            session.add_all([app.Job(kind="patient", payload=payload) for _ in range(16)])
+
+        def held_by_host0() -> set[int]:
+            with Session(pg.engine) as session:
+                return set(session.scalars(select(app.Job.id).where(
+                    app.Job.state == "running", app.Job.locked_by.like("host0%"))))
+
+        deadline = time.monotonic() + 60
+        while len(held_by_host0()) < 4:
+            assert time.monotonic() < deadline, "host 0 never got to work"
+            time.sleep(0.02)
+        stranded = held_by_host0()
+        hosts[0].cut()
+        cut_at = time.time()
+        wait_until_finished(pg, 16, timeout=90)
+        hosts[0].mend()
+        with Session(pg.engine) as session, session.begin():
+            session.add_all([app.Job(kind="patient", payload={**payload, "first": 0.3}) for _ in range(40)])
+        wait_until_finished(pg, 56, timeout=90)
+        stop(hosts)
+    host0 = hosts[0].procs[0].pid
+    lines = [line.split() for line in runs.read_text().splitlines()]
+    by_job: dict[int, list[tuple[float, float, int, str]]] = {}
+    for job_id, _attempt, pid, started, ended, how in lines:
+        by_job.setdefault(int(job_id), []).append((float(started), float(ended), int(pid), how))
+    spans = [Span(job_id, pid, started, ended) for job_id, runs_of in by_job.items()
+             for started, ended, pid, _ in runs_of]
+    assert overlapping_jobs(spans, {}, {}, time.time()) == [], by_job
+    cut_off = [span for job_id in stranded for span in by_job[job_id] if span[2] == host0]
+    assert len(cut_off) == len(stranded) and all(how == "cancelled" for *_, how in cut_off), cut_off
+    # stopped by self-fencing, before the lease (counted from the last renewal, at most a heartbeat before the cut)
+    assert all(ended < cut_at + LEASE for _, ended, _, _ in cut_off), (cut_at, cut_off)
+    with Session(pg.engine) as session:
+        assert set(session.scalars(select(app.Job.state))) == {"finished"}
+        rejoined = session.scalar(select(func.count()).where(app.Job.locked_by.like("host0%"),
+                                                             app.Job.id.not_in(stranded)))
+    assert rejoined, "host 0 ran nothing after its link came back"
