@@ -155,8 +155,8 @@ def test_reaper_never_touches_a_live_lease(db: Database) -> None:
 
 def test_reaper_that_waited_for_sqlites_write_lock_looks_again_next_turn(tmp_path: Path) -> None:
     """Whoever held SQLite's write lock while the reaper waited was alive, and may be the worker whose lease
-    ran out while it was frozen with the lock in hand (the matrix's stale-worker scenario once saw that
-    worker's handler still running beside the retry the reaper started the moment it resumed). A reaper that
+    ran out while it was frozen with the lock in hand: reaped the moment it let go, its handler would run on
+    beside the retry (the matrix's stale-worker scenario shows how a resumed handler runs on). A reaper that
     waited a third of a lease hands back nothing; its next turn, without the wait, does."""
     url = f"sqlite:///{tmp_path / 'jobs.db'}"
     engine = create_engine(url)
