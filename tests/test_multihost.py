@@ -14,12 +14,16 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, text
+from sqlalchemy.exc import ProgrammingError
 from sqlalchemy.orm import Session
 
+from sqla_jobs.leader import leader_table
 from tests import app, netns
 from tests.conftest import IN_CI, ROOT, Database, make_database
 from tests.reliability.matrix import Span, overlapping_jobs
@@ -193,3 +197,52 @@ def test_a_silently_partitioned_host_stops_its_handlers_before_another_host_take
         rejoined = session.scalar(select(func.count()).where(app.Job.locked_by.like("host0%"),
                                                              app.Job.id.not_in(stranded)))
     assert rejoined, "host 0 ran nothing after its link came back"
+
+
+def test_a_partitioned_leader_steps_down_before_its_lease_ends_and_another_host_leads(pg: Database) -> None:
+    """Issue 32 #2, the leader: the link of the host that leads (reaps, prunes, keeps the table) goes down
+    for longer than the lease. Another host leads within the lease and a reaper pass, in a new term; the cut
+    leader learns during the partition that it leads no more (its failed renewal, logged), and once its link
+    is back it does not take the lead back from the live new leader. It trusts a renewal for 0.8 of the
+    lease from before it was sent (``Leadership.is_leader``, tests/test_leader.py), so it did no upkeep past
+    its lease even while its renewal hung: the log line comes when the hung renewal fails, later."""
+    timing = ("--concurrency", "2", "--lease", str(LEASE), "--heartbeat", str(HEARTBEAT))
+    table = leader_table(app.queue).name
+
+    def leader() -> Any:
+        try:
+            with pg.engine.connect() as conn:
+                return conn.execute(text(f"SELECT holder, term FROM {table}")).first()
+        except ProgrammingError:  # the first worker to lead creates the table
+            return None
+
+    with netns.hosts(3) as hosts:
+        for host in hosts:
+            start_host(host, pg, "--log-level", "INFO", *timing)
+        deadline = time.monotonic() + 60
+        while (old := leader()) is None:
+            assert time.monotonic() < deadline, "no host took the lead"
+            time.sleep(0.05)
+        cut = next(host for host in hosts if old.holder.startswith(f"host{host.index}"))
+        cut.cut()
+        cut_at = time.time()
+        deadline = time.monotonic() + LEASE + HEARTBEAT + 10
+        while (new := leader()).holder == old.holder:
+            assert time.monotonic() < deadline, "nobody took the lead over from the cut-off host"
+            time.sleep(0.05)
+        took_over = time.time() - cut_at
+        assert new.term > old.term
+        time.sleep(LEASE)  # the cut-off host stays cut past its lease
+        mended_at = time.time()
+        cut.mend()
+        time.sleep(2 * LEASE)  # back: it renews its jobs' leases, and must not lead again
+        assert leader().holder == new.holder
+        others = [host for host in hosts if host is not cut]
+        stop(others)
+        cut.kill()
+        _, said = cut.procs[0].communicate(timeout=30)
+    steps = [line for line in said.splitlines() if "stops leading" in line]
+    assert steps, said[-3000:]
+    stepped_down = datetime.strptime(steps[0][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert cut_at < stepped_down < mended_at, (stepped_down - cut_at, mended_at - cut_at, steps)
+    assert took_over < LEASE + HEARTBEAT + 10
