@@ -17,16 +17,18 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, String, literal, select, union_all
+from sqlalchemy import Engine, String, create_engine, literal, select, text, union_all
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from tests import app, forkserver
-from tests.conftest import ROOT
+from tests.conftest import MARIADB_URL, ROOT
 
 FINISHED_LINE = re.compile(r"job (\d+) \S+ attempt \d+/\d+ \([\d.]+ ms\): finished$", re.M)
 
@@ -93,6 +95,36 @@ class WorkerProc:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+def terminate_backends(engine: Engine, pid: int) -> int:
+    """PostgreSQL: ``pg_terminate_backend`` on every connection worker process ``pid`` opened (found by the
+    application_name workers give them); how many."""
+    with engine.connect() as conn:
+        killed = conn.execute(
+            text("select pg_terminate_backend(pid) from pg_stat_activity where application_name like :name"),
+            {"name": f"sqla-jobs worker %:{pid}:%"},
+        ).scalars().all()
+    return len(killed)
+
+
+def kill_tcp_connections(database: str) -> int:
+    """MariaDB: ``KILL`` every TCP connection to ``database`` (the workers'; unix-socket ones are spared);
+    how many."""
+    admin = create_engine(MARIADB_URL)
+    try:
+        with admin.connect() as conn:
+            ids = conn.execute(
+                text("SELECT id FROM information_schema.processlist WHERE db = :db AND host LIKE '%:%' "
+                     "AND id <> CONNECTION_ID()"),
+                {"db": database},
+            ).scalars().all()
+            for connection_id in ids:
+                with suppress(DBAPIError):  # closed meanwhile
+                    conn.execute(text(f"KILL {int(connection_id)}"))
+        return len(ids)
+    finally:
+        admin.dispose()
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:

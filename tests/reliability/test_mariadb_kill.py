@@ -8,33 +8,16 @@ so the processlist tells the worker's connections apart and only those die.
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import create_engine, make_url, text
+from sqlalchemy import make_url
 
-from tests.conftest import MARIADB_URL, Database
+from tests.conftest import Database
 
 from .conftest import Workers
-from .harness import all_settled, check_invariants, effects, enqueue, job, wait_for
+from .harness import all_settled, check_invariants, effects, enqueue, job, kill_tcp_connections, wait_for
 
 pytestmark = pytest.mark.slow
 
 SOCKET = "/run/mysqld/mysqld.sock"
-
-
-def kill_tcp_connections(database: str) -> int:
-    """``KILL`` every TCP connection to ``database`` (the worker's); returns how many."""
-    admin = create_engine(MARIADB_URL)
-    try:
-        with admin.connect() as conn:
-            ids = conn.execute(
-                text("SELECT id FROM information_schema.processlist WHERE db = :db AND host LIKE '%:%' "
-                     "AND id <> CONNECTION_ID()"),
-                {"db": database},
-            ).scalars().all()
-            for connection_id in ids:
-                conn.execute(text(f"KILL {int(connection_id)}"))
-        return len(ids)
-    finally:
-        admin.dispose()
 
 
 def test_connection_killed_between_claim_and_finish(mariadb: Database, workers: Workers) -> None:

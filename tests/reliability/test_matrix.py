@@ -16,7 +16,6 @@ in front of one, so they run on PostgreSQL in test_outage.py, test_recovery.py a
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -27,15 +26,14 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import Engine, create_engine, insert, make_url, text
-from sqlalchemy.exc import DBAPIError
 from sqlalchemy.pool import NullPool
 
 from tests import app
-from tests.conftest import Database, make_database
+from tests.conftest import make_database
 from tests.pgbouncer import running_pgbouncer
 
 from .conftest import Workers
-from .harness import FAST, WorkerProc, enqueue, states, wait_for
+from .harness import FAST, WorkerProc, enqueue, kill_tcp_connections, states, terminate_backends, wait_for
 from .matrix import (
     COLUMNS,
     CONFIGURATIONS,
@@ -67,34 +65,26 @@ class Target:
     cut: Callable[[list[int]], int] | None = None
 
 
-def _terminate(admin_url: str, where: str, params: dict[str, object]) -> int:
-    engine = create_engine(admin_url, poolclass=NullPool)
-    try:
-        with engine.begin() as conn:
-            return len(conn.execute(text(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE {where} "
-                                         "AND pid <> pg_backend_pid()"), params).all())
-    finally:
-        engine.dispose()
+def _pg_cut(engine: Engine) -> Callable[[list[int]], int]:
+    return lambda pids: sum(terminate_backends(engine, pid) for pid in pids)
 
 
-def _pg_cut(url: str) -> Callable[[list[int]], int]:
+def _mariadb_cut(schema: str) -> Callable[[list[int]], int]:
+    return lambda pids: kill_tcp_connections(schema)  # the cell's own database: only its workers use it
+
+
+def _bouncer_cut(direct: str) -> Callable[[list[int]], int]:
+    """Behind PgBouncer: every server connection to the cell's own database (PgBouncer's, so no worker's
+    name), the test's own excepted."""
+    name = make_url(direct).database
+
     def cut(pids: list[int]) -> int:
-        return sum(_terminate(url, "application_name LIKE :name", {"name": f"sqla-jobs worker %:{pid}:%"})
-                   for pid in pids)
-    return cut
-
-
-def _mariadb_cut(db: Database) -> Callable[[list[int]], int]:
-    def cut(pids: list[int]) -> int:  # every connection to the cell's own database: only its workers use it
-        engine = create_engine(db.url, poolclass=NullPool)
+        engine = create_engine(direct, poolclass=NullPool)
         try:
-            with engine.connect() as conn:
-                ids = conn.execute(text("SELECT id FROM information_schema.processlist WHERE db = :db "
-                                        "AND id <> CONNECTION_ID()"), {"db": db.schema}).scalars().all()
-                for conn_id in ids:
-                    with contextlib.suppress(DBAPIError):  # gone meanwhile
-                        conn.execute(text(f"KILL CONNECTION {int(conn_id)}"))
-                return len(ids)
+            with engine.begin() as conn:
+                return len(conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                             "WHERE datname = :name AND pid <> pg_backend_pid()"),
+                                        {"name": name}).all())
         finally:
             engine.dispose()
     return cut
@@ -125,17 +115,14 @@ def _targets(configuration: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
             url = make_url(through).update_query_dict({"prepare_threshold": "none"}).render_as_string(
                 hide_password=False)
             monkeypatch.setenv("SQLA_JOBS_URL", url)
-            name = make_url(direct).database
-            yield Target(configuration, url, engine, {"no_listen": True},
-                         lambda pids: _terminate(direct, "datname = :name", {"name": name}))
+            yield Target(configuration, url, engine, {"no_listen": True}, _bouncer_cut(direct))
             engine.dispose()
         return
     for db in make_database(configuration, tmp_path):
         engine = create_engine(db.url, poolclass=NullPool)  # a cut never leaves the test a dead pooled connection
         _tables(engine, db.partitioned)
         monkeypatch.setenv("SQLA_JOBS_URL", db.url)
-        cut = (_mariadb_cut(db) if configuration == "mariadb" else None if configuration == "sqlite"
-               else _pg_cut(db.url))
+        cut = {"sqlite": None, "mariadb": _mariadb_cut(str(db.schema))}.get(configuration, _pg_cut(engine))
         yield Target(configuration, db.url, engine, cut=cut)
         engine.dispose()
 
@@ -191,7 +178,7 @@ class Fleet:
             assert code == 0, f"worker {worker.pid} exited {code}: {worker.log()[-2000:]}"
 
 
-def _fuzzed(engine: Engine, rng: random.Random, spans: Path) -> list[int]:
+def _fuzzed(engine: Engine, rng: random.Random) -> list[int]:
     """Jobs no handler can take: unknown kinds, and ``span`` jobs whose payload is JSON of the wrong shape,
     written past enqueue's checks as a buggy producer or a hand-edited row would."""
     def value(depth: int = 0) -> object:
@@ -204,7 +191,7 @@ def _fuzzed(engine: Engine, rng: random.Random, spans: Path) -> list[int]:
                         lambda: {f"k{i}": value(depth + 1) for i in range(rng.randint(0, 4))}]
         return rng.choice(choices)()
 
-    rows = [{"kind": f"no_such_kind_{i}", "payload": {"spans": str(spans), "x": value()}} for i in range(6)]
+    rows = [{"kind": f"no_such_kind_{i}", "payload": {"x": value()}} for i in range(6)]
     rows += [{"kind": "span", "payload": value()} for _ in range(6)]
     ids = []
     with engine.begin() as conn:
@@ -225,7 +212,7 @@ def test_every_scenario_on_every_configuration(scenario: str, target: Target, wo
     once_ids = [enqueue(target.engine, workers.kind("once_slow"), {"marker": str(tmp_path / f"once-{i}"),
                                                                    "sleep": 0.05}, max_attempts=20)[0]
                 for i in range(ONCE)]
-    other_ids = _fuzzed(target.engine, rng, spans) if scenario == "fuzz" else []
+    other_ids = _fuzzed(target.engine, rng) if scenario == "fuzz" else []
     fleet = Fleet(target, workers)
     faults: list[float] = []
     try:

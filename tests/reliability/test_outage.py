@@ -20,21 +20,20 @@ from tests.conftest import Database
 
 from .cluster import PrivateCluster
 from .conftest import Workers, via
-from .harness import WorkerProc, all_settled, check_invariants, effects, enqueue, job, states, wait_for
+from .harness import (
+    WorkerProc,
+    all_settled,
+    check_invariants,
+    effects,
+    enqueue,
+    job,
+    states,
+    terminate_backends,
+    wait_for,
+)
 from .proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
-
-
-def terminate_backends(engine: Engine, worker: WorkerProc) -> int:
-    """pg_terminate_backend on every connection the worker process opened (found by application_name)."""
-    with engine.connect() as conn:
-        killed = conn.execute(
-            text("select pg_terminate_backend(pid) from pg_stat_activity where application_name like :name"),
-            {"name": f"sqla-jobs worker %:{worker.pid}:%"},
-        ).scalars().all()
-    return len(killed)
-
 
 
 def drain_and_stop(engine: Engine, ids: list[int], pool: list[WorkerProc], workers: Workers, timeout: float,
@@ -59,7 +58,7 @@ def test_connection_lost_between_claim_and_finish(pg: Database, workers: Workers
     [job_id] = enqueue(pg.engine, "record", {"sleep": 1.5})
     wait_for(lambda: effects(pg.engine, job_id, "start"), 30, "the handler to start")
     if how == "pg_terminate_backend":
-        assert terminate_backends(pg.engine, worker) >= 1
+        assert terminate_backends(pg.engine, worker.pid) >= 1
     else:
         # Hold the worker's traffic until its finish is on the wire, then reset.
         proxy.stall()
@@ -87,7 +86,7 @@ def test_listen_connection_recovers(pg: Database, workers: Workers) -> None:
     wait_for(lambda: "started" in worker.log(), 30, "the worker to start")
     [warm] = enqueue(pg.engine, "record")
     wait_for(lambda: all_settled(pg.engine, [warm]), 10, "a NOTIFY to wake the worker")
-    assert terminate_backends(pg.engine, worker) >= 1
+    assert terminate_backends(pg.engine, worker.pid) >= 1
     wait_for(lambda: "LISTEN connection failed" in worker.log(), 10, "the LISTEN thread to notice")
     time.sleep(2.5)  # its first reconnect comes after 1 s
     [job_id] = enqueue(pg.engine, "record")

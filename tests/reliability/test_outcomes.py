@@ -8,7 +8,9 @@ worker just finished it.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import Counter
 
 import pytest
@@ -22,7 +24,7 @@ from tests import app
 from tests.conftest import Database
 from tests.helpers import run_burst
 
-from .harness import check_invariants, dead, enqueue, states
+from .harness import check_invariants, dead, enqueue, states, terminate_backends, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -148,3 +150,31 @@ def test_jobs_a_cut_claim_left_the_worker_go_back_with_their_attempts_refunded(d
     strays = [job.id for job in claimed[1:]]
     assert [(rows[i].state, rows[i].attempts) for i in strays] == [("pending", 0), ("pending", 0)]
     assert store.hand_back_strays([known]) == 0
+
+
+def test_a_worker_back_from_an_outage_hands_back_what_a_cut_claim_left_it(pg: Database) -> None:
+    """The control loop's side of the test above, on a running worker: rows claimed under its name that it
+    never heard of (a claim whose reply the cut lost) wait for nobody's lease. The server cuts the worker's
+    connections; back, the worker hands those rows back uncharged and runs them, long before their lease
+    (60 s) would have let the reaper take them, charging an attempt."""
+    ids = enqueue(pg.engine, "noop", n=2)
+    engine = create_engine(pg.url)  # the worker's own: it names its connections, and those are cut
+    worker = Worker(engine, app.queue, lease=60, poll_interval=0.1, listen=False)
+    driver = app.queue.driver(pg.engine)
+    with driver.write(pg.engine) as conn:
+        claimed, _ = driver.claim_batch(conn, 2, worker.name, "reply-lost", 60.0, None, False)
+    assert len(claimed) == 2
+    runner = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
+    runner.start()
+    try:
+        time.sleep(0.5)  # its pool is open and claiming
+        assert terminate_backends(pg.engine, os.getpid()) >= 1  # the worker's connections, named by its pid
+        wait_for(lambda: set(states(pg.engine, ids).values()) == {"finished"}, 20, "the stray jobs to run")
+    finally:
+        worker.stop()
+        runner.join(30)
+        engine.dispose()
+    table = app.Job.__table__
+    with pg.engine.connect() as conn:
+        attempts = conn.execute(select(table.c.attempts).where(table.c.id.in_(ids))).scalars().all()
+    assert attempts == [1, 1], "handed back with the attempt refunded, then run once"

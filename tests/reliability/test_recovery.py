@@ -26,8 +26,7 @@ from tests.conftest import Database
 
 from .cluster import PrivateCluster
 from .conftest import Workers
-from .harness import WorkerProc, all_settled, check_invariants, enqueue, wait_for
-from .test_outage import terminate_backends
+from .harness import WorkerProc, all_settled, check_invariants, enqueue, terminate_backends, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -64,7 +63,7 @@ def test_jobs_run_within_2s_after_all_backends_are_terminated(pg: Database, work
     times = []
     for _ in range(5):
         warm(pg.engine, worker, ids)
-        killed = terminate_backends(pg.engine, worker)
+        killed = terminate_backends(pg.engine, worker.pid)
         assert killed >= 3, f"only {killed} backends to cut: the pool was not warm"
         times.append(time_to_run(pg.engine, ids))
     print(f"concurrency {concurrency}: recovery after cutting all backends {[round(t, 2) for t in times]} s")
