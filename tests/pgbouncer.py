@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, make_url, text
+from sqlalchemy.pool import NullPool
 
 from tests import forkserver
 from tests.conftest import IN_CI, PG_URL, require_postgres
@@ -35,16 +36,18 @@ def free_port() -> int:
 
 
 @contextmanager
-def running_pgbouncer() -> Iterator[tuple[str, str]]:
-    """(URL through PgBouncer, direct URL) of a fresh database; PgBouncer in transaction mode in front."""
-    require_postgres()
+def running_pgbouncer(server: str = PG_URL) -> Iterator[tuple[str, str]]:
+    """(URL through PgBouncer, direct URL) of a fresh database on ``server`` (the shared test server unless a
+    test brings its own); PgBouncer in transaction mode in front."""
+    if server == PG_URL:
+        require_postgres()
     if not os.path.exists(PGBOUNCER):
         if IN_CI:
             pytest.fail("pgbouncer is not installed: .ci/run installs it (apt-get install -y pgbouncer)")
         pytest.skip("pgbouncer is not installed (apt-get install -y pgbouncer)")
-    base = make_url(PG_URL)
+    base = make_url(server)
     name = f"sqla_jobs_pgb_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(base, isolation_level="AUTOCOMMIT")
+    admin = create_engine(base, isolation_level="AUTOCOMMIT", poolclass=NullPool)  # the server may restart meanwhile
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     # PgBouncer refuses to run as root: it runs as postgres, which cannot enter pytest's private tmp_path.

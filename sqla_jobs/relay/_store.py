@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -118,7 +119,10 @@ class RelayStore(Store):
                 side.close()
 
     def reap(self) -> None:
-        """Hand back the jobs of a relay that died (lease expired) in this relay's queues."""
+        """Hand back the jobs of a relay that died (lease expired) in this relay's queues (not while the
+        reaper is held: ``Store.waited``)."""
+        if time.monotonic() < self._reap_after:
+            return
         driver, queues = self.driver, set(self.queues or ())
         with driver.write(self.engine) as conn:
             rows = [r for r in driver.expired(conn, limit=self.batch * 4, settle=self.lease) if r.queue in queues]

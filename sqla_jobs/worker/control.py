@@ -93,7 +93,6 @@ class Control:
         self._isolation_wanted = False
         self._next_prune = 0.0
         self._next_upkeep = 0.0
-        self._reap_after = 0.0  # no reaping before (monotonic): set on the return from a database outage
         self.guard = LeaseGuard(executor, config.lease, config.worker_name, store.driver.self_fencing)
         self._next_progress = 0.0
         # Per-queue slots: when each queue found empty may be asked again (monotonic time).
@@ -142,7 +141,7 @@ class Control:
             if now >= db_retry_at:
                 try:
                     if db_failures:  # back: renew ours first; nobody could meanwhile, so no reaping for a lease
-                        self._reap_after = now + self.config.lease
+                        self.store.hold_reaper()
                     if now >= next_heartbeat or db_failures:
                         self._heartbeat_and_reap(now, after_outage=db_failures > 0)
                         next_heartbeat = now + self.config.heartbeat_every
@@ -204,12 +203,9 @@ class Control:
         )
 
     def _should_claim(self) -> bool:
-        """Claim in batches: when at least half the threads are free, or all are idle (with
-        per-queue slots, the same per queue, in ``_claims_due``).
-
-        Nothing while an isolated job runs; nothing but an isolated job once one
-        is waiting, so the worker drains and then claims it alone.
-        """
+        """Claim in batches: when at least half the threads are free, or all are idle (with per-queue slots,
+        the same per queue, in ``_claims_due``). Nothing while an isolated job runs; nothing but an isolated
+        job once one is waiting, so the worker drains and then claims it alone."""
         if self.stopping or not self.executor.accepting:  # the relay's broker is unreachable: jobs wait pending
             return False
         if self.guard.active:  # runs were stopped for want of a lease renewal: none until one succeeds
@@ -346,8 +342,11 @@ class Control:
                                 run.job.id, run.job.kind)
         self.guard.renewed(sent, self.store)
         # The elected worker reaps for all (sqla_jobs.leader); not within a lease of its own return from an
-        # outage (the server's own restart: Driver.expired), when live workers' leases may have run out.
-        if self.maintenance.renew() and now >= self._reap_after:
+        # outage (the server's own restart: Driver.expired), nor of a heartbeat or an election that waited a
+        # third of a lease (Store.waited): live workers' leases may have run out meanwhile.
+        acting = self.maintenance.renew()
+        self.store.waited(sent)
+        if acting:
             self.store.reap()
             if time.monotonic() >= self._next_upkeep:
                 self.store.upkeep()

@@ -12,6 +12,7 @@ hands jobs back, and reports each written outcome to the log and the hooks.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -54,6 +55,7 @@ class Store:
         self.lease = lease
         self.queues = list(queues) if queues else None
         self._conn: Connection | None = None
+        self._reap_after = 0.0  # monotonic: no reaping before (a write of ours waited; see _hot)
         self.processed = 0  # outcomes written
         #: Kinds with limits across workers (sqla_jobs._limits): claimed by claim_limited, skipped by the
         #: ordinary claim. None of them: the claim is the plain one, not one statement more.
@@ -85,9 +87,35 @@ class Store:
     def retry_pause(self, exc: BaseException, failures: int) -> float:
         return retry_pause(self.driver, self.engine, exc, failures)
 
+    def hold_reaper(self) -> None:
+        """No reaping for a lease: the database was away, and live workers now renew what ran out meanwhile."""
+        self._reap_after = max(self._reap_after, time.monotonic() + self.lease)
+
+    def waited(self, since: float) -> None:
+        """A write of this worker's, begun at ``since`` (monotonic), has just returned: if it waited a third
+        of a lease (SQLite's write lock held elsewhere, a stalled server, a pooler waiting for its server),
+        every other worker's renewals waited too, and their leases may have run out while they lived: the
+        reaper waits a lease for them to renew."""
+        waited = time.monotonic() - since
+        if waited > self.lease / 3:
+            if time.monotonic() >= self._reap_after:
+                log.info("worker %s: a write waited %.1fs for the database, so the lease reaper waits a lease "
+                         "for the other workers to renew theirs", self.worker_name, waited)
+            self.hold_reaper()
+
     @contextmanager
     def _hot(self) -> Iterator[Connection]:
-        """The connection for the worker's short writes (claim, finish, heartbeat, release).
+        """The connection for the worker's short writes (claim, finish, heartbeat, release); see ``waited``."""
+        began = time.monotonic()
+        try:
+            with self._hot_connection() as conn:
+                yield conn
+        finally:
+            self.waited(began)
+
+    @contextmanager
+    def _hot_connection(self) -> Iterator[Connection]:
+        """The connection for the worker's short writes.
 
         One long-lived connection at the driver's ``hot_isolation``: on PostgreSQL in
         autocommit (each hot write is one fenced statement), on MariaDB/MySQL at READ
@@ -283,7 +311,10 @@ class Store:
         """Hand back jobs whose worker vanished, by the outcome policy's ``lost`` (the lost attempt counts,
         and the job's next run is alone in its worker process). Not in the first lease after the database
         server started (``Driver.expired``): live workers renew then what an outage let run out. Nor after
-        waiting a third of a lease for SQLite's write lock (``hand_back_lost``'s ``patience``)."""
+        waiting a third of a lease for SQLite's write lock (``hand_back_lost``'s ``patience``), nor within a
+        lease of a write of this worker's that waited that long (``_hot``)."""
+        if time.monotonic() < self._reap_after:
+            return
         hand_back_lost(self.queue, self.engine, self.driver,
                        lambda conn: self.driver.expired(conn, settle=self.lease),
                        "worker {row.locked_by} stopped heartbeating (lease expired)", patience=self.lease / 3)

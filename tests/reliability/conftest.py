@@ -14,6 +14,7 @@ from tests import app
 from tests.conftest import IN_CI, Database
 
 from . import cluster as cluster_mod
+from . import mariadb_server
 from .harness import WorkerProc
 from .proxy import TcpProxy
 
@@ -93,6 +94,19 @@ def private_cluster() -> Iterator[cluster_mod.PrivateCluster]:
             pytest.fail(f"the server-restart test must run in CI: {problem}")
         pytest.skip(f"cannot start a private PostgreSQL cluster: {problem}")
     server = cluster_mod.PrivateCluster()
+    yield server
+    server.destroy()
+
+
+@pytest.fixture(scope="session")
+def private_mariadb() -> Iterator[mariadb_server.PrivateMariaDB]:
+    """A throwaway MariaDB server the matrix may stop (never the shared one)."""
+    problem = mariadb_server.unavailable()
+    if problem:
+        if IN_CI:
+            pytest.fail(f"the MariaDB server-restart cells must run in CI: {problem}")
+        pytest.skip(f"cannot start a private MariaDB server: {problem}")
+    server = mariadb_server.PrivateMariaDB()
     yield server
     server.destroy()
 

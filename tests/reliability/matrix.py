@@ -17,8 +17,8 @@ reads back what happened and fills a :class:`Report`:
     runs a worker logged as finished that did not finish, or a job reported finished twice.
 ``wrongly charged``
     attempts charged that the scenario did not earn: an attempt is charged only for a run lost with its
-    process (a SIGKILL, a freeze past the lease), and then its error entry says ``WorkerLost``; connection
-    kills, SIGTERM and bad payloads charge the jobs nothing.
+    process or its link (a SIGKILL, a freeze or a silent partition past the lease), and then its error entry
+    says ``WorkerLost``; connection kills, SIGTERM, server restarts, outages and bad payloads charge nothing.
 ``recovery``
     after each fault, the seconds until every job that was running when it struck has finished (run again
     elsewhere, or finished by its own worker); the worst fault's.
@@ -48,12 +48,17 @@ SCENARIOS = {
     "sigterm": "graceful SIGTERM",
     "stale": "stale worker past its lease",
     "fuzz": "fuzzed payloads",
+    "restart": "server crash and restart",
+    "outage": "outage twice the lease",
+    "partition": "silent partition of a worker",
 }
 CONFIGURATIONS = ("sqlite", "postgresql", "postgresql-partitioned", "mariadb", "pgbouncer")
 FLAVOURS = ("threaded", "async")
 #: Cells that cannot apply, and why (the note and the docs repeat these).
 NOT_APPLICABLE = {
     ("connections", "sqlite"): "a SQLite file has no connections to cut",
+    ("restart", "sqlite"): "a SQLite file has no server to restart (its outage is the write lock held)",
+    ("partition", "sqlite"): "a SQLite file is local: no network between worker and database",
 }
 
 

@@ -181,6 +181,35 @@ def test_reaper_that_waited_for_sqlites_write_lock_looks_again_next_turn(tmp_pat
     engine.dispose()
 
 
+def test_a_reaper_whose_own_write_waited_out_the_lease_gives_the_others_a_lease_to_renew(tmp_path: Path) -> None:
+    """The write lock held past the lease (a backup, a long migration: the matrix's SQLite outage): every worker's
+    writes waited, and whichever gets the lock first must not reap the others, whose leases ran out while they
+    waited their turn. The reaper's own transaction does not wait then (its heartbeat did), so its patience does
+    not see it; the wait of any write of this worker's keeps it away for a lease, after which it reaps."""
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    engine = create_engine(url)
+    app.queue.create_tables(engine)
+    app.Base.metadata.create_all(engine)
+    db = Database("sqlite", url, engine)
+    [job_id] = enqueue(engine, "record", max_attempts=3)
+    claim_one(db, lease=1.5)  # another worker's run, alive but waiting for the lock too
+    worker = Worker(engine, app.queue, lease=1.5)
+    holder = create_engine(url).connect()
+    holder.exec_driver_sql("BEGIN IMMEDIATE")
+    heartbeat = threading.Thread(target=worker._store.heartbeat, args=([(job_id, "not-ours")],))
+    heartbeat.start()
+    time.sleep(2.0)  # past the other run's lease
+    holder.rollback()
+    holder.close()
+    heartbeat.join(30)
+    worker._reap()
+    assert job(engine, job_id).state == "running", "reaped a worker that was waiting for the lock like this one"
+    time.sleep(1.6)
+    worker._reap()
+    assert job(engine, job_id).state == "pending" and job(engine, job_id).attempts == 1
+    engine.dispose()
+
+
 def test_reaper_racing_a_completion_only_one_wins(pg: Database) -> None:
     """Both orders, with real row locks held open: the loser's write changes nothing."""
     sql = app.queue.driver(pg.engine)

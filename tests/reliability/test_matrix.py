@@ -8,32 +8,28 @@ its faults strike, then measures what came of it (lost, run twice, overlapping, 
 charged, recovery) and fails on any of the first five. With ``SQLA_JOBS_MATRIX_REPORT=FILE`` each cell adds
 its report to FILE; ``python -m tests.reliability.matrix FILE`` prints the table in docs/guarantees.md.
 
-Where the matrix stops: server restarts and the silent partition need a server of their own or a proxy
-in front of one, so they run on PostgreSQL in test_outage.py, test_recovery.py and test_fencing.py
-(both workers); the relay's kills and broker cuts run for both brokers in tests/relay/; poison under
-``--processes`` runs on every backend in test_poison.py.
+The cells that stop the server run on a private one (tests/reliability/cells.py); the silent partition puts
+one worker behind a proxy that goes quiet. Where the matrix stops: the relay's kills and broker cuts run for both
+brokers in tests/relay/; poison under ``--processes`` runs on every backend in test_poison.py; restarts under a
+longer drain, several in a row, and a read-only server, on PostgreSQL in test_outage.py and test_recovery.py.
 """
 
 from __future__ import annotations
 
 import os
 import random
-import signal
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from sqlalchemy import Engine, create_engine, insert, make_url, text
-from sqlalchemy.pool import NullPool
+from sqlalchemy import Engine, insert, make_url
 
 from tests import app
-from tests.conftest import make_database
-from tests.pgbouncer import running_pgbouncer
 
+from .cells import Fleet, Target, targets
 from .conftest import Workers
-from .harness import FAST, WorkerProc, enqueue, kill_tcp_connections, states, terminate_backends, wait_for
+from .harness import FAST, enqueue, states, wait_for
 from .matrix import (
     COLUMNS,
     CONFIGURATIONS,
@@ -46,136 +42,13 @@ from .matrix import (
     read_spans,
     save,
 )
+from .proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
 
 SPANS, ONCE, PROCESSES, FAULTS, FAULT_EVERY = 96, 24, 3, 3, 0.6
 SPAN_SECONDS = 0.25
-
-
-@dataclass
-class Target:
-    """Where a cell's workers run: their URL and options, an engine for the test's own reads, and how to cut
-    every connection of given worker processes (None where there are none to cut)."""
-
-    configuration: str
-    url: str
-    engine: Engine
-    options: dict[str, object] = field(default_factory=dict)
-    cut: Callable[[list[int]], int] | None = None
-
-
-def _pg_cut(engine: Engine) -> Callable[[list[int]], int]:
-    return lambda pids: sum(terminate_backends(engine, pid) for pid in pids)
-
-
-def _mariadb_cut(schema: str) -> Callable[[list[int]], int]:
-    return lambda pids: kill_tcp_connections(schema)  # the cell's own database: only its workers use it
-
-
-def _bouncer_cut(direct: str) -> Callable[[list[int]], int]:
-    """Behind PgBouncer: every server connection to the cell's own database (PgBouncer's, so no worker's
-    name), the test's own excepted."""
-    name = make_url(direct).database
-
-    def cut(pids: list[int]) -> int:
-        engine = create_engine(direct, poolclass=NullPool)
-        try:
-            with engine.begin() as conn:
-                return len(conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                                             "WHERE datname = :name AND pid <> pg_backend_pid()"),
-                                        {"name": name}).all())
-        finally:
-            engine.dispose()
-    return cut
-
-
-def _tables(engine: Engine, partitioned: bool = False) -> None:
-    app.queue.create_tables(engine, partitioned=partitioned)
-    app.Base.metadata.create_all(engine)
-
-
-@pytest.fixture
-def target(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
-    app._engine = None  # the handlers' engine follows SQLA_JOBS_URL
-    try:
-        yield from _targets(str(request.param), tmp_path, monkeypatch)
-    finally:
-        if app._engine is not None:
-            app._engine.dispose()
-            app._engine = None
-
-
-def _targets(configuration: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
-    if configuration == "pgbouncer":
-        with running_pgbouncer() as (through, direct):
-            engine = create_engine(direct, poolclass=NullPool)
-            _tables(engine)
-            # transaction mode: nothing prepared, no LISTEN (docs/howto/backends.md)
-            url = make_url(through).update_query_dict({"prepare_threshold": "none"}).render_as_string(
-                hide_password=False)
-            monkeypatch.setenv("SQLA_JOBS_URL", url)
-            yield Target(configuration, url, engine, {"no_listen": True}, _bouncer_cut(direct))
-            engine.dispose()
-        return
-    for db in make_database(configuration, tmp_path):
-        engine = create_engine(db.url, poolclass=NullPool)  # a cut never leaves the test a dead pooled connection
-        _tables(engine, db.partitioned)
-        monkeypatch.setenv("SQLA_JOBS_URL", db.url)
-        cut = {"sqlite": None, "mariadb": _mariadb_cut(str(db.schema))}.get(configuration, _pg_cut(engine))
-        yield Target(configuration, db.url, engine, cut=cut)
-        engine.dispose()
-
-
-class Fleet:
-    """The cell's worker processes: a replacement starts for each one a fault takes away."""
-
-    def __init__(self, target: Target, workers: Workers, lease: float) -> None:
-        self.target, self.workers, self.lease = target, workers, lease
-        self.live: list[WorkerProc] = []
-        self.died: dict[int, float] = {}
-        self.frozen: dict[int, list[tuple[float, float]]] = {}
-        for _ in range(PROCESSES):
-            self.start()
-
-    def start(self) -> WorkerProc:
-        worker = self.workers(self.target.url, concurrency=4, lease=self.lease, **self.target.options)
-        self.live.append(worker)
-        return worker
-
-    def kill(self, rng: random.Random) -> None:
-        worker = rng.choice(self.live)
-        worker.signal(signal.SIGKILL)
-        self.died[worker.pid] = time.time()
-        worker.wait(10)
-        self.live.remove(worker)
-        self.start()
-
-    def terminate(self, rng: random.Random) -> None:
-        worker = rng.choice(self.live)
-        code = worker.stop(timeout=FAST["grace"] + 10)
-        assert code == 0, f"SIGTERM: worker {worker.pid} exited {code}: {worker.log()[-2000:]}"
-        self.live.remove(worker)
-        self.start()
-
-    def freeze(self, spans: Path) -> float:
-        """SIGSTOP a worker in the middle of a run, past its lease (2.5 leases), then SIGCONT it; returns when
-        it stopped."""
-        running = wait_for(lambda: [w for w in self.live if any(s.end is None and s.pid == w.pid
-                                                                for s in read_spans(spans))],
-                           30, "a worker running a job")
-        worker = running[0]
-        worker.signal(signal.SIGSTOP)
-        stopped = time.time()
-        time.sleep(2.5 * float(FAST["lease"]))
-        worker.signal(signal.SIGCONT)
-        self.frozen.setdefault(worker.pid, []).append((stopped, time.time()))
-        return stopped
-
-    def stop(self) -> None:
-        for worker in self.live:
-            code = worker.stop(timeout=FAST["grace"] + 10)
-            assert code == 0, f"worker {worker.pid} exited {code}: {worker.log()[-2000:]}"
+LONG_SPAN_SECONDS = 5.0  # past the partition's lease (3 s): its worker must stop them, the others run them again
 
 
 def _fuzzed(engine: Engine, rng: random.Random) -> list[int]:
@@ -201,57 +74,111 @@ def _fuzzed(engine: Engine, rng: random.Random) -> list[int]:
     return ids
 
 
-@pytest.mark.parametrize(("target", "scenario"), [(c, s) for c in CONFIGURATIONS for s in SCENARIOS
+#: Each scenario's lease. Only the cells whose fault a lease must cover have a short one: elsewhere a lease that
+#: lapses is no fault of the cell's (a loaded 2-core CI box once kept a SQLite worker from its write lock, behind
+#: busy transactional handlers and an unfair lock, past 2 s; the lease did its job and charged a rerun). The
+#: partition's leaves room between the cut-off worker stopping its handlers (2/3 of it) and the others taking over.
+LEASES = {"kill": float(FAST["lease"]), "stale": float(FAST["lease"]), "outage": float(FAST["lease"]),
+          "partition": 3.0}
+#: Scenarios whose lost runs (a process or its link gone past the lease) are charged an attempt, as they should be.
+CHARGED = ("kill", "stale", "partition")
+
+
+@pytest.fixture
+def target(request: pytest.FixtureRequest, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Target]:
+    configuration, scenario = request.param
+    app._engine = None  # the handlers' engine follows SQLA_JOBS_URL
+    try:
+        yield from targets(configuration, scenario, tmp_path, request, monkeypatch)
+    finally:
+        if app._engine is not None:
+            app._engine.dispose()
+            app._engine = None
+
+
+@pytest.mark.parametrize(("target", "scenario"), [pytest.param((c, s), s, id=f"{c}-{s}")
+                                                   for c in CONFIGURATIONS for s in SCENARIOS
                                                    if (s, c) not in NOT_APPLICABLE], indirect=["target"])
 def test_every_scenario_on_every_configuration(scenario: str, target: Target, workers: Workers,
                                                tmp_path: Path) -> None:
     rng = random.Random(f"{scenario}-{target.configuration}-{workers.flavour}")
     spans = tmp_path / "spans.log"
-    span_ids = enqueue(target.engine, workers.kind("span"), {"spans": str(spans), "sleep": SPAN_SECONDS}, n=SPANS,
-                       max_attempts=20)
+    # The partitioned worker starts first and takes these: runs it must stop before the others take them over.
+    span_ids = enqueue(target.engine, workers.kind("span"), {"spans": str(spans), "sleep": LONG_SPAN_SECONDS},
+                       n=4, max_attempts=20) if scenario == "partition" else []
+    span_ids += enqueue(target.engine, workers.kind("span"), {"spans": str(spans), "sleep": SPAN_SECONDS}, n=SPANS,
+                        max_attempts=20)
     once_ids = [enqueue(target.engine, workers.kind("once_slow"), {"marker": str(tmp_path / f"once-{i}"),
                                                                    "sleep": 0.05}, max_attempts=20)[0]
                 for i in range(ONCE)]
     other_ids = _fuzzed(target.engine, rng) if scenario == "fuzz" else []
-    # Only the kill and stale cells wait on a lease, so only they have the short one. Elsewhere a lease that
-    # lapses is no fault of the cell's: a loaded 2-core CI box once kept a SQLite worker from its write lock
-    # (busy transactional handlers, an unfair lock) past 2 s, and the lease did its job, charging a rerun.
-    lease_bound = scenario in ("kill", "stale")
-    fleet = Fleet(target, workers, lease=float(FAST["lease"]) if lease_bound else 10.0)
-    faults: list[float] = []
+    lease = LEASES.get(scenario, 10.0)
+    proxy = None
+    if scenario == "partition":  # the first worker reaches the database through a proxy that will go silent
+        upstream = make_url(target.url)
+        proxy = TcpProxy(upstream.host or "127.0.0.1", upstream.port or 5432)
+        fleet = Fleet(target, workers, lease, 0)
+        fleet.start(upstream.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False))
+        wait_for(lambda: len({s.job_id for s in read_spans(spans)}) >= 4, 60, "the first worker to take the long runs")
+        fleet.start(), fleet.start()
+    else:
+        fleet = Fleet(target, workers, lease, PROCESSES)
     try:
         wait_for(lambda: spans.exists(), 60, "the first run to start")
-        for _ in range(FAULTS if scenario in ("kill", "connections", "sigterm") else 1 if scenario == "stale"
-                       else 0):
-            time.sleep(FAULT_EVERY)
-            if scenario == "kill":
-                fleet.kill(rng)
-            elif scenario == "connections":
-                assert target.cut is not None
-                assert target.cut([w.pid for w in fleet.live]) > 0, "no worker connection to cut"
-            elif scenario == "sigterm":
-                fleet.terminate(rng)
-            else:
-                stopped = fleet.freeze(spans)
-                faults.append(stopped)
-                continue
-            faults.append(time.time())
+        faults = _strike(scenario, target, fleet, rng, spans, proxy)
         ids = span_ids + once_ids + other_ids
         wait_for(lambda: all(s in ("finished", "dead") for s in states(target.engine, ids).values())
                  and len(states(target.engine, ids)) == len(ids), 120, "every job to finish or die", interval=0.2)
         fleet.stop()
     finally:
         workers.kill_all()
+        if proxy is not None:
+            proxy.close()
     report = measure(Report(scenario, target.configuration, workers.flavour), target.engine, span_ids, once_ids,
                      other_ids, read_spans(spans), workers.logs(), faults, fleet.died, fleet.frozen,
-                     charges_for_lost_runs=lease_bound, now=time.time())
+                     charges_for_lost_runs=scenario in CHARGED, now=time.time())
     save(report, os.environ.get("SQLA_JOBS_MATRIX_REPORT"))
     print(f"\n{report}")
     assert report.clean(), f"{report.problems}\n{workers.all_logs()[-6000:]}"
-    # A lost run waits out its lease, a frozen one the freeze (2.5 leases); then a claim and a quarter second.
-    assert report.recovery_s <= 3 * float(FAST["lease"]) + 5, report
+    # A lost run waits out its lease, a frozen one the freeze (2.5 leases), an outage or a partition its two
+    # leases; then a claim and a quarter second. The partition's four long runs, lost, run alone in a process
+    # each (poison isolation), on the two other workers: two in a row.
+    extra = {"outage": 2 * lease, "partition": 2 * lease + 2 * LONG_SPAN_SECONDS}.get(scenario, 0.0)
+    assert report.recovery_s <= 3 * lease + 5 + extra, report
     bad = states(target.engine, other_ids)
     assert all(state == "dead" for state in bad.values()) and len(bad) == len(other_ids), bad
+
+
+def _strike(scenario: str, target: Target, fleet: Fleet, rng: random.Random, spans: Path,
+            proxy: TcpProxy | None) -> list[float]:
+    """The cell's faults, struck while jobs run; returns when each struck."""
+    faults: list[float] = []
+    if scenario in ("restart", "outage"):  # the server crashes and comes straight back, or is down two leases
+        time.sleep(FAULT_EVERY)
+        assert target.down is not None
+        faults.append(time.time())
+        target.down("immediate", 0.0) if scenario == "restart" else target.down("fast", 2 * fleet.lease)
+    elif scenario == "partition":  # the proxied worker's link goes silent (no reset) for two leases mid-run
+        assert proxy is not None
+        fleet.running(spans, among=fleet.live[:1])
+        proxy.stall()
+        faults.append(time.time())
+        time.sleep(2 * fleet.lease)
+        proxy.resume()
+    elif scenario == "stale":
+        time.sleep(FAULT_EVERY)
+        faults.append(fleet.freeze(spans))
+    for _ in range(FAULTS if scenario in ("kill", "connections", "sigterm") else 0):
+        time.sleep(FAULT_EVERY)
+        if scenario == "kill":
+            fleet.kill(rng)
+        elif scenario == "connections":
+            assert target.cut is not None
+            assert target.cut([w.pid for w in fleet.live]) > 0, "no worker connection to cut"
+        else:
+            fleet.terminate(rng)
+        faults.append(time.time())
+    return faults
 
 
 def test_the_matrix_covers_every_cell_and_the_docs_show_them() -> None:
