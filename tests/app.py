@@ -426,3 +426,25 @@ async def async_span(payload: dict[str, Any]) -> None:
         cancelled = 0
     finally:
         _span_line(payload["spans"], "end", job.id, job.attempt, os.getpid(), time.time(), cancelled)
+
+
+@queue.handler("poison_span")
+def poison_span(payload: dict[str, Any]) -> None:
+    """``span``'s poison: logs its start, gives the process's other runs ``after`` seconds to start, logs its
+    process's death and ends the process (``os._exit``), every other run of the process with it: the matrix
+    reads the death to know when those runs stopped."""
+    job = current_job()
+    _span_line(payload["spans"], "start", job.id, job.attempt, os.getpid(), time.time())
+    time.sleep(payload.get("after", 0))
+    _span_line(payload["spans"], "died", job.id, job.attempt, os.getpid(), time.time())
+    os._exit(1)
+
+
+@queue.handler("async_poison_span")
+async def async_poison_span(payload: dict[str, Any]) -> None:
+    """``poison_span`` for the async worker."""
+    job = current_job()
+    _span_line(payload["spans"], "start", job.id, job.attempt, os.getpid(), time.time())
+    await asyncio.sleep(payload.get("after", 0))
+    _span_line(payload["spans"], "died", job.id, job.attempt, os.getpid(), time.time())
+    os._exit(1)

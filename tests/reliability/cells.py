@@ -167,18 +167,18 @@ def _private(configuration: str, server: Server, monkeypatch: pytest.MonkeyPatch
 class Fleet:
     """The cell's worker processes: a replacement starts for each one a fault takes away."""
 
-    def __init__(self, target: Target, workers: Workers, lease: float, processes: int) -> None:
-        self.target, self.workers, self.lease = target, workers, lease
+    def __init__(self, target: Target, workers: Workers, lease: float, count: int, **options: object) -> None:
+        self.target, self.workers, self.lease, self.options = target, workers, lease, options
         self.live: list[WorkerProc] = []
         self.died: dict[int, float] = {}
         self.frozen: dict[int, list[tuple[float, float]]] = {}
-        for _ in range(processes):
+        for _ in range(count):
             self.start()
 
     def start(self, url: str | None = None) -> WorkerProc:
         """A worker on the target, or on ``url`` (through a proxy) with its handlers on the target."""
         worker = self.workers(url or self.target.url, handler_url=self.target.url if url else None,
-                              concurrency=4, lease=self.lease, **self.target.options)
+                              concurrency=4, lease=self.lease, **self.target.options, **self.options)
         self.live.append(worker)
         return worker
 

@@ -19,7 +19,8 @@ from .harness import WorkerProc
 from .proxy import TcpProxy
 
 #: The async worker's twins of the test app's handlers (tests/app.py): same effects, awaiting.
-ASYNC_KINDS = {"record": "async_record", "once_slow": "async_once", "span": "async_span"}
+ASYNC_KINDS = {"record": "async_record", "once_slow": "async_once", "span": "async_span",
+               "poison_span": "async_poison_span"}
 
 
 class Workers:

@@ -17,8 +17,9 @@ reads back what happened and fills a :class:`Report`:
     runs a worker logged as finished that did not finish, or a job reported finished twice.
 ``wrongly charged``
     attempts charged that the scenario did not earn: an attempt is charged only for a run lost with its
-    process or its link (a SIGKILL, a freeze or a silent partition past the lease), and then its error entry
-    says ``WorkerLost``; connection kills, SIGTERM, server restarts, outages and bad payloads charge nothing.
+    process or its link (a SIGKILL, a poison job's crash, a freeze or a silent partition past the lease), and
+    then its error entry says ``WorkerLost``; connection kills, SIGTERM, server restarts, outages and bad
+    payloads charge nothing.
 ``recovery``
     after each fault, the seconds until every job that was running when it struck has finished (run again
     elsewhere, or finished by its own worker); the worst fault's.
@@ -51,7 +52,11 @@ SCENARIOS = {
     "restart": "server crash and restart",
     "outage": "outage twice the lease",
     "partition": "silent partition of a worker",
+    "poison": "poison job under --processes",
 }
+#: The relay's own fault test reports into the same table: kills of the relay and cuts of its broker connection.
+RELAY_BROKERS = ("rabbitmq", "nats")
+RELAY_SCENARIO = "relay kills and broker cuts"
 CONFIGURATIONS = ("sqlite", "postgresql", "postgresql-partitioned", "mariadb", "pgbouncer")
 FLAVOURS = ("threaded", "async")
 #: Cells that cannot apply, and why (the note and the docs repeat these).
@@ -101,6 +106,12 @@ def read_spans(path: Path) -> list[Span]:
         elif key in runs:
             runs[key].end = float(at)
     return list(runs.values())
+
+
+def read_deaths(path: Path) -> dict[int, float]:
+    """When each process a ``poison_span`` run ended died (its ``died`` line), by pid."""
+    lines = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    return {int(pid): float(at) for what, _, _, pid, at, *_ in lines if what == "died"}
 
 
 #: Seconds of a frozen process's run just after it resumes that do not count as executing (see ``overlapping``).
@@ -215,18 +226,28 @@ def table(reports: list[dict[str, Any]]) -> str:
     for configuration in CONFIGURATIONS:
         for flavour in FLAVOURS:
             for scenario, title in SCENARIOS.items():
-                r = cells.get((scenario, configuration, flavour))
-                row = [configuration, flavour, title]
-                if (scenario, configuration) in NOT_APPLICABLE:
-                    row += ["n/a"] * (len(COLUMNS) + 2)
-                elif r is None:
-                    row += ["not run"] * (len(COLUMNS) + 2)
-                else:
-                    row += [str(r[k]) for k in ("jobs", "faults", "lost", "run_twice", "overlapping", "misreported",
-                                                "wrongly_charged", "reruns")]
-                    row.append(f"{r['recovery_s']:.1f} s" if r["faults"] else "no fault")
-                lines.append("| " + " | ".join(row) + " |")
+                applies = (scenario, configuration) not in NOT_APPLICABLE
+                lines.append(_row([configuration, flavour, title], cells.get((scenario, configuration, flavour)),
+                                  applies))
+    for broker in RELAY_BROKERS:  # tests/relay/test_relay_faults.py
+        lines.append(_row(["postgresql", f"relay to {broker}", RELAY_SCENARIO],
+                          cells.get(("relay", "postgresql", broker)), True, blank=("run_twice", "overlapping")))
     return "\n".join(lines)
+
+
+def _row(head: list[str], r: dict[str, Any] | None, applies: bool, blank: tuple[str, ...] = ()) -> str:
+    """One cell's row; ``blank``: the columns that mean nothing there (a relay runs no handler: nothing runs
+    twice or at once)."""
+    row = list(head)
+    if not applies:
+        row += ["n/a"] * (len(COLUMNS) + 2)
+    elif r is None:
+        row += ["not run"] * (len(COLUMNS) + 2)
+    else:
+        row += ["n/a" if k in blank else str(r[k]) for k in ("jobs", "faults", "lost", "run_twice", "overlapping",
+                                                             "misreported", "wrongly_charged", "reruns")]
+        row.append(f"{r['recovery_s']:.1f} s" if r["faults"] else "no fault")
+    return "| " + " | ".join(row) + " |"
 
 
 if __name__ == "__main__":

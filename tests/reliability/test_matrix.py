@@ -9,9 +9,9 @@ charged, recovery) and fails on any of the first five. With ``SQLA_JOBS_MATRIX_R
 its report to FILE; ``python -m tests.reliability.matrix FILE`` prints the table in docs/guarantees.md.
 
 The cells that stop the server run on a private one (tests/reliability/cells.py); the silent partition puts
-one worker behind a proxy that goes quiet. Where the matrix stops: the relay's kills and broker cuts run for both
-brokers in tests/relay/; poison under ``--processes`` runs on every backend in test_poison.py; restarts under a
-longer drain, several in a row, and a read-only server, on PostgreSQL in test_outage.py and test_recovery.py.
+one worker behind a proxy that goes quiet. The relay's kills and broker cuts (tests/relay/test_relay_faults.py)
+report their row into the same file. Beside the matrix: restarts under a longer drain, several in a row, and a
+read-only server, on PostgreSQL in test_outage.py and test_recovery.py.
 """
 
 from __future__ import annotations
@@ -35,10 +35,13 @@ from .matrix import (
     CONFIGURATIONS,
     FLAVOURS,
     NOT_APPLICABLE,
+    RELAY_BROKERS,
+    RELAY_SCENARIO,
     SCENARIOS,
     Report,
     Span,
     measure,
+    read_deaths,
     read_spans,
     save,
 )
@@ -81,7 +84,7 @@ def _fuzzed(engine: Engine, rng: random.Random) -> list[int]:
 LEASES = {"kill": float(FAST["lease"]), "stale": float(FAST["lease"]), "outage": float(FAST["lease"]),
           "partition": 3.0}
 #: Scenarios whose lost runs (a process or its link gone past the lease) are charged an attempt, as they should be.
-CHARGED = ("kill", "stale", "partition")
+CHARGED = ("kill", "stale", "partition", "poison")
 
 
 @pytest.fixture
@@ -103,6 +106,9 @@ def test_every_scenario_on_every_configuration(scenario: str, target: Target, wo
                                                tmp_path: Path) -> None:
     rng = random.Random(f"{scenario}-{target.configuration}-{workers.flavour}")
     spans = tmp_path / "spans.log"
+    # The poison first, so that a first claim takes it with three others: they die with its process.
+    poison = enqueue(target.engine, workers.kind("poison_span"), {"spans": str(spans), "after": 0.1},
+                     max_attempts=3) if scenario == "poison" else []
     # The partitioned worker starts first and takes these: runs it must stop before the others take them over.
     span_ids = enqueue(target.engine, workers.kind("span"), {"spans": str(spans), "sleep": LONG_SPAN_SECONDS},
                        n=4, max_attempts=20) if scenario == "partition" else []
@@ -111,7 +117,7 @@ def test_every_scenario_on_every_configuration(scenario: str, target: Target, wo
     once_ids = [enqueue(target.engine, workers.kind("once_slow"), {"marker": str(tmp_path / f"once-{i}"),
                                                                    "sleep": 0.05}, max_attempts=20)[0]
                 for i in range(ONCE)]
-    other_ids = _fuzzed(target.engine, rng) if scenario == "fuzz" else []
+    other_ids = poison + (_fuzzed(target.engine, rng) if scenario == "fuzz" else [])
     lease = LEASES.get(scenario, 10.0)
     proxy = None
     if scenario == "partition":  # the first worker reaches the database through a proxy that will go silent
@@ -121,6 +127,8 @@ def test_every_scenario_on_every_configuration(scenario: str, target: Target, wo
         fleet.start(upstream.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False))
         wait_for(lambda: len({s.job_id for s in read_spans(spans)}) >= 4, 60, "the first worker to take the long runs")
         fleet.start(), fleet.start()
+    elif scenario == "poison":  # two supervisors of two worker processes each
+        fleet = Fleet(target, workers, lease, PROCESSES - 1, processes=2)
     else:
         fleet = Fleet(target, workers, lease, PROCESSES)
     try:
@@ -134,8 +142,10 @@ def test_every_scenario_on_every_configuration(scenario: str, target: Target, wo
         workers.kill_all()
         if proxy is not None:
             proxy.close()
+    deaths = read_deaths(spans)  # the poison's crashes: each process it took down, and when
+    faults += sorted(deaths.values())
     report = measure(Report(scenario, target.configuration, workers.flavour), target.engine, span_ids, once_ids,
-                     other_ids, read_spans(spans), workers.logs(), faults, fleet.died, fleet.frozen,
+                     other_ids, read_spans(spans), workers.logs(), faults, {**fleet.died, **deaths}, fleet.frozen,
                      charges_for_lost_runs=scenario in CHARGED, now=time.time())
     save(report, os.environ.get("SQLA_JOBS_MATRIX_REPORT"))
     print(f"\n{report}")
@@ -192,6 +202,8 @@ def test_the_matrix_covers_every_cell_and_the_docs_show_them() -> None:
         for flavour in FLAVOURS:
             for scenario, title in SCENARIOS.items():
                 assert f"| {configuration} | {flavour} | {title} |" in doc, (configuration, flavour, scenario)
+    for broker in RELAY_BROKERS:
+        assert f"| postgresql | relay to {broker} | {RELAY_SCENARIO} |" in doc, broker
 
 
 def test_overlaps_are_measured_on_executing_time() -> None:
