@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -86,30 +86,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[Any]) -> 
     return report
 
 
-@pytest.fixture(scope="session")
-def private_cluster() -> Iterator[cluster_mod.PrivateCluster]:
-    """A throwaway PostgreSQL server this suite may restart (never the shared one)."""
-    problem = cluster_mod.unavailable()
+def _private(unavailable: Callable[[], str | None], start: Callable[[], Any], what: str) -> Iterator[Any]:
+    """A throwaway server this suite may stop and restart (never the shared one): skipped where this machine
+    cannot run one, failed in CI."""
+    problem = unavailable()
     if problem:
         if IN_CI:
-            pytest.fail(f"the server-restart test must run in CI: {problem}")
-        pytest.skip(f"cannot start a private PostgreSQL cluster: {problem}")
-    server = cluster_mod.PrivateCluster()
+            pytest.fail(f"the tests that stop {what} must run in CI: {problem}")
+        pytest.skip(f"cannot start a private {what}: {problem}")
+    server = start()
     yield server
     server.destroy()
+
+
+@pytest.fixture(scope="session")
+def private_cluster() -> Iterator[cluster_mod.PrivateCluster]:
+    yield from _private(cluster_mod.unavailable, cluster_mod.PrivateCluster, "PostgreSQL server")
 
 
 @pytest.fixture(scope="session")
 def private_mariadb() -> Iterator[mariadb_server.PrivateMariaDB]:
-    """A throwaway MariaDB server the matrix may stop (never the shared one)."""
-    problem = mariadb_server.unavailable()
-    if problem:
-        if IN_CI:
-            pytest.fail(f"the MariaDB server-restart cells must run in CI: {problem}")
-        pytest.skip(f"cannot start a private MariaDB server: {problem}")
-    server = mariadb_server.PrivateMariaDB()
-    yield server
-    server.destroy()
+    yield from _private(mariadb_server.unavailable, mariadb_server.PrivateMariaDB, "MariaDB server")
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from tests.pgbouncer import free_port
+
 MARIADBD = shutil.which("mariadbd") or "/usr/sbin/mariadbd"
 INSTALL_DB = shutil.which("mariadb-install-db") or "/usr/bin/mariadb-install-db"
 
@@ -32,17 +34,11 @@ def unavailable() -> str | None:
     return None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class PrivateMariaDB:
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="sqla-jobs-mariadb-"))
         self.data = self.dir / "data"
-        self.port = _free_port()
+        self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         subprocess.run([INSTALL_DB, "--no-defaults", f"--datadir={self.data}", "--user=root", "--skip-test-db",
                         "--auth-root-authentication-method=normal"],

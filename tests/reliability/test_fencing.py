@@ -153,16 +153,21 @@ def test_reaper_never_touches_a_live_lease(db: Database) -> None:
     check_invariants(db.engine, [job_id])
 
 
+def sqlite_file(tmp_path: Path) -> Database:
+    url = f"sqlite:///{tmp_path / 'jobs.db'}"
+    engine = create_engine(url)
+    app.queue.create_tables(engine)
+    app.Base.metadata.create_all(engine)
+    return Database("sqlite", url, engine)
+
+
 def test_reaper_that_waited_for_sqlites_write_lock_looks_again_next_turn(tmp_path: Path) -> None:
     """Whoever held SQLite's write lock while the reaper waited was alive, and may be the worker whose lease
     ran out while it was frozen with the lock in hand: reaped the moment it let go, its handler would run on
     beside the retry (the matrix's stale-worker scenario shows how a resumed handler runs on). A reaper that
     waited a third of a lease hands back nothing; its next turn, without the wait, does."""
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    engine = create_engine(url)
-    app.queue.create_tables(engine)
-    app.Base.metadata.create_all(engine)
-    db = Database("sqlite", url, engine)
+    db = sqlite_file(tmp_path)
+    url, engine = db.url, db.engine
     [job_id] = enqueue(engine, "record", max_attempts=3)
     claim_one(db, lease=60)
     expire(db, job_id)
@@ -186,11 +191,8 @@ def test_a_reaper_whose_own_write_waited_out_the_lease_gives_the_others_a_lease_
     writes waited, and whichever gets the lock first must not reap the others, whose leases ran out while they
     waited their turn. The reaper's own transaction does not wait then (its heartbeat did), so its patience does
     not see it; the wait of any write of this worker's keeps it away for a lease, after which it reaps."""
-    url = f"sqlite:///{tmp_path / 'jobs.db'}"
-    engine = create_engine(url)
-    app.queue.create_tables(engine)
-    app.Base.metadata.create_all(engine)
-    db = Database("sqlite", url, engine)
+    db = sqlite_file(tmp_path)
+    url, engine = db.url, db.engine
     [job_id] = enqueue(engine, "record", max_attempts=3)
     claim_one(db, lease=1.5)  # another worker's run, alive but waiting for the lock too
     worker = Worker(engine, app.queue, lease=1.5)
