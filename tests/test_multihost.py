@@ -202,10 +202,12 @@ def test_a_silently_partitioned_host_stops_its_handlers_before_another_host_take
 def test_a_partitioned_leader_steps_down_before_its_lease_ends_and_another_host_leads(pg: Database) -> None:
     """Issue 32 #2, the leader: the link of the host that leads (reaps, prunes, keeps the table) goes down
     for longer than the lease. Another host leads within the lease and a reaper pass, in a new term; the cut
-    leader learns during the partition that it leads no more (its failed renewal, logged), and once its link
+    leader learns that it leads no more (its renewal, once it returns, logged), and once its link
     is back it does not take the lead back from the live new leader. It trusts a renewal for 0.8 of the
     lease from before it was sent (``Leadership.is_leader``, tests/test_leader.py), so it did no upkeep past
-    its lease even while its renewal hung: the log line comes when the hung renewal fails, later."""
+    its lease even while its renewal hung: the log line comes when the hung renewal returns, during the
+    partition if it fails there (a new connection's timeout), or as the link comes back (a renewal sent before
+    the cut gets through on TCP's next retransmission, up to seconds later, and finds another term)."""
     timing = ("--concurrency", "2", "--lease", str(LEASE), "--heartbeat", str(HEARTBEAT))
     table = leader_table(app.queue).name
 
@@ -244,5 +246,5 @@ def test_a_partitioned_leader_steps_down_before_its_lease_ends_and_another_host_
     steps = [line for line in said.splitlines() if "stops leading" in line]
     assert steps, said[-3000:]
     stepped_down = datetime.strptime(steps[0][:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    assert cut_at < stepped_down < mended_at, (stepped_down - cut_at, mended_at - cut_at, steps)
+    assert cut_at < stepped_down < mended_at + LEASE, (stepped_down - cut_at, mended_at - cut_at, steps)
     assert took_over < LEASE + HEARTBEAT + 10
