@@ -5,6 +5,7 @@
     python docs/bench/history_cost.py --url postgresql+psycopg://postgres@127.0.0.1:5432/test \\
         [--finished 5000000] [--jobs 20000] [--runs 5] [--samples 1000] [--modes plain,partitioned]
     python docs/bench/history_cost.py --private-cluster [...]   # a throwaway server, autovacuum on
+        [--plain-storage autovacuum_vacuum_scale_factor=0 --plain-storage ...]
 
 Run it from a checkout, with the Python environment that has sqla-jobs installed
 (``pip install -e .``). Four tables, each in a scratch schema of its own: for each mode
@@ -33,7 +34,11 @@ measurement and the machine's busy share over the whole run from ``/proc/stat``.
 ``--private-cluster``: instead of ``--url``, ``initdb`` a PostgreSQL into a temporary folder
 (as the ``postgres`` OS user when run as root), start it on a free port with the server's
 defaults and ``autovacuum = on`` (as users run it; the development machine's shared server has
-it off), measure there, then stop it and delete the folder. The schemas are dropped at the end.
+it off), measure there, then stop it and delete the folder. ``--plain-storage NAME=VALUE`` sets a
+storage parameter (``ALTER TABLE jobs SET (...)``) on both plain tables, e.g. autovacuum's thresholds
+(a partitioned parent takes none). After each round the script also reads how many index buffers the
+claim's walk of the pending index needs (``EXPLAIN (ANALYZE, BUFFERS)``) and, at the end, how often
+each table was vacuumed and analysed. The schemas are dropped at the end.
 Prints a table and, with ``--json PATH``, writes every figure.
 """
 
@@ -138,10 +143,13 @@ class Table:
         self.claims: list[tuple[float, float]] = []
         self.walks: list[int] = []
 
-    def create(self, admin: Engine, finished: int) -> None:
+    def create(self, admin: Engine, finished: int, storage: dict[str, str]) -> None:
         with admin.begin() as conn:
             conn.execute(text(f'CREATE SCHEMA "{self.schema}"'))
         queue.create_tables(self.engine, partitioned=self.mode == "partitioned")
+        if storage and self.mode == "plain":  # a partitioned parent takes no storage parameters
+            with self.engine.begin() as conn:
+                queue.driver(conn).bench_storage(conn, storage)
         if self.state == "history":
             took = _fill(self.engine, finished, self.mode == "partitioned")  # ends with VACUUM ANALYZE
             print(f"{self.mode}: {finished:,} finished rows written in {took:.0f} s", file=sys.stderr, flush=True)
@@ -196,7 +204,7 @@ def measure(url: URL, args: argparse.Namespace) -> dict[str, Any]:
     loads: list[float] = []
     try:
         for table in tables:
-            table.create(admin, args.finished)
+            table.create(admin, args.finished, dict(kv.split("=", 1) for kv in args.plain_storage))
         with admin.connect() as conn:
             autovacuum = conn.execute(text("SHOW autovacuum")).scalar_one()
             version = conn.execute(text("SHOW server_version")).scalar_one()
@@ -282,6 +290,8 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--modes", default="plain,partitioned")
+    parser.add_argument("--plain-storage", action="append", default=[], metavar="NAME=VALUE",
+                        help="a storage parameter of both plain tables (autovacuum_vacuum_scale_factor=0, ...)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     started = datetime.now(timezone.utc)
