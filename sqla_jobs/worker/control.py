@@ -25,7 +25,8 @@ Rules it keeps (module docstring of ``sqla_jobs.worker.worker`` for the whole st
   it runs, and once one is waiting the worker drains to claim it alone;
 * after a database error, the next try waits ``Store.retry_pause``; outcomes not yet written stay in
   memory meanwhile; back, it renews its leases first, hands back the jobs a claim cut short left it
-  (``Store.hand_back_strays``), and does not reap for one lease (nobody could renew meanwhile);
+  (``Store.hand_back_strays``), and does not reap for one lease (nobody could renew meanwhile); nor
+  after any write of its own that waited a third of a lease (``Store.waited``: so did everyone's);
 * stopping: no more claims; running jobs get ``grace`` seconds, then are handed back;
 * a run whose lease went unrenewed for 2/3 of it is stopped (``LeaseGuard``); nothing is claimed
   until a heartbeat succeeds, and then the stopped jobs are handed back;
