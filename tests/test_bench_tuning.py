@@ -8,11 +8,14 @@ those paths. No speed is asserted (figures live in the docs, measured with the c
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from sqlalchemy import create_engine, text
 
 from tests import forkserver
 from tests.conftest import PG_URL, ROOT, require_postgres
@@ -65,3 +68,19 @@ def test_cpu_split_drains_through_the_cli_at_each_setting(tmp_path: Path) -> Non
     assert [(r[0], r[1]) for r in rows] == [("4", "WARNING"), ("4", "INFO"), ("16", "WARNING"), ("16", "INFO")], stdout
     # The workers did the work: their CPU per job is above zero at every setting.
     assert all(float(r[3]) > 0 for r in rows), stdout
+
+
+def test_finish_cost_times_the_three_finishes_and_drops_its_schema(tmp_path: Path) -> None:
+    """docs/bench/finish_cost.py: each finish ran over every job (the script checks the count), the row kept
+    writes more WAL than the row moved, which writes more than the row deleted, and no scratch schema is left."""
+    require_postgres()
+    result = json.loads(_run(tmp_path, "finish_cost.py", "--jobs", "500", "--runs", "2", "--json"))
+    assert set(result) == {"update", "delete", "move"}
+    assert all(len(r["us_runs"]) == 2 and r["us_per_job"] > 0 for r in result.values()), result
+    wal = {name: r["wal_bytes_per_job"] for name, r in result.items()}
+    assert wal["update"] > wal["move"] > wal["delete"], wal
+    engine = create_engine(PG_URL)
+    with engine.connect() as conn:
+        left = conn.execute(text("SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'bench_finish_%'")).scalar_one()
+    engine.dispose()
+    assert left == 0
