@@ -34,6 +34,10 @@ FINISHED_LINE = re.compile(r"job (\d+) \S+ attempt \d+/\d+ \([\d.]+ ms\): finish
 
 # Short leases so a lost worker is noticed in seconds; all flags are the CLI's own.
 FAST = {"lease": 2.0, "heartbeat": 0.5, "grace": 5.0, "poll_interval": 0.2}
+#: The lease of a ``Worker`` made only to run its reaper once (``Worker._reap``). Short: the reaper leaves every
+#: lease alone for a lease after the database server started (``Driver.expired``), and CI restarts PostgreSQL
+#: (for max_connections) a minute before the suite, so the default 60 s would make such a test's reap a no-op.
+REAP_LEASE = 2.0
 
 
 @dataclass

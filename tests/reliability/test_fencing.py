@@ -19,7 +19,7 @@ from tests import app
 from tests.conftest import Database
 
 from .conftest import Workers, via
-from .harness import all_settled, check_invariants, dead, effects, enqueue, job, states, wait_for
+from .harness import REAP_LEASE, all_settled, check_invariants, dead, effects, enqueue, job, states, wait_for
 from .proxy import TcpProxy
 
 pytestmark = pytest.mark.slow
@@ -124,7 +124,7 @@ def test_a_stale_token_never_changes_a_row(db: Database, workers: Workers) -> No
     [job_id] = enqueue(db.engine, "record", max_attempts=5)
     first = claim_one(db)
     expire(db, job_id)
-    Worker(db.engine, app.queue)._reap()
+    Worker(db.engine, app.queue, lease=REAP_LEASE)._reap()
     second = claim_one(db)
     assert job(db.engine, job_id).claim_token == second[1]
     stale_writes_change_nothing(db, job_id, first)
@@ -142,10 +142,10 @@ def test_a_stale_token_never_changes_a_row(db: Database, workers: Workers) -> No
 def test_reaper_never_touches_a_live_lease(db: Database) -> None:
     [job_id] = enqueue(db.engine, "record", max_attempts=1)
     fence = claim_one(db, lease=60)
-    Worker(db.engine, app.queue)._reap()
+    Worker(db.engine, app.queue, lease=REAP_LEASE)._reap()
     assert job(db.engine, job_id).state == "running" and not dead(db.engine, job_id)
     expire(db, job_id)
-    Worker(db.engine, app.queue)._reap()
+    Worker(db.engine, app.queue, lease=REAP_LEASE)._reap()
     assert "WorkerLost" in dead(db.engine, job_id).last_error, "last attempt lost: dead-lettered, not re-run"
     sql = app.queue.driver(db.engine)
     with sql.write(db.engine) as conn:

@@ -26,7 +26,7 @@ from sqla_jobs.worker.outcomes import hand_back_unfinished
 from tests import app
 from tests.conftest import Database
 
-from .harness import enqueue
+from .harness import REAP_LEASE, enqueue
 
 pytestmark = pytest.mark.slow
 
@@ -133,7 +133,7 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
 
         @rule()
         def reap(self) -> None:
-            Worker(engine, app.queue)._reap()
+            Worker(engine, app.queue, lease=REAP_LEASE)._reap()
             for m in self.model.values():
                 if m.state == "running" and m.expired:
                     m.state = "dead" if m.attempts >= m.max_attempts else "pending"
