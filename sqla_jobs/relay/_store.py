@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -121,7 +120,7 @@ class RelayStore(Store):
     def reap(self) -> None:
         """Hand back the jobs of a relay that died (lease expired) in this relay's queues (not while the
         reaper is held: ``Store.waited``)."""
-        if time.monotonic() < self._reap_after:
+        if self.reaper_held():
             return
         driver, queues = self.driver, set(self.queues or ())
         with driver.write(self.engine) as conn:

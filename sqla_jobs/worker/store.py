@@ -91,6 +91,10 @@ class Store:
         """No reaping for a lease: the database was away, and live workers now renew what ran out meanwhile."""
         self._reap_after = max(self._reap_after, time.monotonic() + self.lease)
 
+    def reaper_held(self) -> bool:
+        """Whether ``hold_reaper`` (or ``waited``) still keeps this worker's reaper away."""
+        return time.monotonic() < self._reap_after
+
     def waited(self, since: float) -> None:
         """A write of this worker's, begun at ``since`` (monotonic), has just returned: if it waited a third
         of a lease (SQLite's write lock held elsewhere, a stalled server, a pooler waiting for its server),
@@ -313,7 +317,7 @@ class Store:
         server started (``Driver.expired``): live workers renew then what an outage let run out. Nor after
         waiting a third of a lease for SQLite's write lock (``hand_back_lost``'s ``patience``), nor within a
         lease of a write of this worker's that waited that long (``_hot``)."""
-        if time.monotonic() < self._reap_after:
+        if self.reaper_held():
             return
         hand_back_lost(self.queue, self.engine, self.driver,
                        lambda conn: self.driver.expired(conn, settle=self.lease),

@@ -159,8 +159,8 @@ def _private(configuration: str, server: Server, monkeypatch: pytest.MonkeyPatch
     finally:
         engine.dispose()
         with admin.connect() as conn:
-            conn.execute(text(f"DROP DATABASE IF EXISTS {name}" + (" WITH (FORCE)" if "postgresql" in server.url
-                                                                   else "")))
+            force = " WITH (FORCE)" if make_url(server.url).get_backend_name() == "postgresql" else ""
+            conn.execute(text(f"DROP DATABASE IF EXISTS {name}{force}"))  # PostgreSQL: its workers' sessions too
         admin.dispose()
 
 

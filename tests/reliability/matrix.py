@@ -81,6 +81,7 @@ class Report:
     wrongly_charged: int = 0
     recovery_s: float = 0.0
     reruns: int = 0  # runs beyond the first of a job: at-least-once at work, not a fault
+    struck: int = 0  # faults that came while a run was going: a cell whose faults all missed proved nothing
     problems: list[str] = field(default_factory=list)
 
     def clean(self) -> bool:
@@ -200,6 +201,7 @@ def measure(report: Report, engine: Engine, span_ids: list[int], once_ids: list[
     for fault in faults:
         hit = {span.job_id: span for span in spans
                if span.start <= fault and (span.end is None or span.end >= fault)}
+        report.struck += bool(hit)
         for job_id, struck in hit.items():  # done when its next run ends, or the struck run itself if none came
             later = [s.end for s in spans if s.job_id == job_id and s.start > fault and s.end is not None]
             done = min(later) if later else struck.end if struck.end is not None else now

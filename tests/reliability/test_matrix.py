@@ -126,7 +126,8 @@ def test_every_scenario_on_every_configuration(scenario: str, target: Target, wo
         fleet = Fleet(target, workers, lease, 0)
         fleet.start(upstream.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False))
         wait_for(lambda: len({s.job_id for s in read_spans(spans)}) >= 4, 60, "the first worker to take the long runs")
-        fleet.start(), fleet.start()
+        for _ in range(PROCESSES - 1):
+            fleet.start()
     elif scenario == "poison":  # two supervisors of two worker processes each
         fleet = Fleet(target, workers, lease, PROCESSES - 1, processes=2)
     else:
@@ -150,6 +151,7 @@ def test_every_scenario_on_every_configuration(scenario: str, target: Target, wo
     save(report, os.environ.get("SQLA_JOBS_MATRIX_REPORT"))
     print(f"\n{report}")
     assert report.clean(), f"{report.problems}\n{workers.all_logs()[-6000:]}"
+    assert report.struck or not report.faults, f"no fault came while a job ran: {report}"
     # A lost run waits out its lease, a frozen one the freeze (2.5 leases), an outage or a partition its two
     # leases; then a claim and a quarter second. The partition's four long runs, lost, run alone in a process
     # each (poison isolation), on the two other workers: two in a row.
