@@ -325,7 +325,7 @@ class Control:
             ex.flush()
 
     def _heartbeat_and_reap(self, now: float, after_outage: bool = False) -> None:
-        ex = self.executor
+        ex, began = self.executor, time.monotonic()
         held = [run.job.fence for run in ex.live()]
         held += [o.job.fence for o in self._unwritten if o.result not in ("committed", "lost")]  # no longer ours
         held += self.guard.held()  # stopped by self-fencing, their handlers not yet returned
@@ -346,7 +346,7 @@ class Control:
         # outage (the server's own restart: Driver.expired), nor of a heartbeat or an election that waited a
         # third of a lease (Store.waited): live workers' leases may have run out meanwhile.
         acting = self.maintenance.renew()
-        self.store.waited(sent)
+        self.store.waited(began)  # the strays' hand-back, the heartbeat, the election
         if acting:
             self.store.reap()
             if time.monotonic() >= self._next_upkeep:
