@@ -38,16 +38,23 @@ def cpu_seconds(pid: int | str) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS
 
 
-def server_cpu_seconds() -> float:
-    total = 0.0
+def server_cpu_seconds() -> dict[str, float]:
+    """CPU seconds of every ``postgres`` process, by pid."""
+    found: dict[str, float] = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 if (proc / "comm").read_text().startswith("postgres"):
-                    total += cpu_seconds(proc.name)
+                    found[proc.name] = cpu_seconds(proc.name)
             except OSError:  # it ended while we looked
                 pass
-    return total
+    return found
+
+
+def server_cpu_since(before: dict[str, float]) -> float:
+    """The server's CPU seconds since ``before``, per process: one that ended meanwhile takes its seconds with it
+    (a total of totals went negative then), so the figure is a floor."""
+    return sum(seconds - before.get(pid, 0.0) for pid, seconds in server_cpu_seconds().items())
 
 
 def one_drain(url: str, jobs: int, processes: int, concurrency: int, log_level: str) -> dict[str, float]:
@@ -71,7 +78,7 @@ def one_drain(url: str, jobs: int, processes: int, concurrency: int, log_level: 
             time.sleep(0.02)
         elapsed = time.perf_counter() - start
         worker_cpu = sum(cpu_seconds(w.pid) for w in workers) - workers_before
-        server_cpu = server_cpu_seconds() - server_before
+        server_cpu = server_cpu_since(server_before)
         finished = bench._count_finished(engine)
         if finished != jobs:
             raise SystemExit(f"{finished} of {jobs} jobs finished")

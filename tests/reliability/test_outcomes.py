@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from collections import Counter
 
 import pytest
@@ -167,7 +166,10 @@ def test_a_worker_back_from_an_outage_hands_back_what_a_cut_claim_left_it(pg: Da
     runner = threading.Thread(target=worker.run, kwargs={"install_signals": False}, daemon=True)
     runner.start()
     try:
-        time.sleep(0.5)  # its pool is open and claiming
+        # In its loop, its claim connection open (a fixed pause was too short on a loaded machine: the worker
+        # opened that connection after the cut, saw no outage, and the strays waited for their lease).
+        [warm] = enqueue(pg.engine, "noop")
+        wait_for(lambda: states(pg.engine, [warm]).get(warm) == "finished", 20, "the worker to run a first job")
         assert terminate_backends(pg.engine, os.getpid()) >= 1  # the worker's connections, named by its pid
         wait_for(lambda: set(states(pg.engine, ids).values()) == {"finished"}, 20, "the stray jobs to run")
     finally:
