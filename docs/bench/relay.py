@@ -105,7 +105,7 @@ def main() -> int:
     parser.add_argument("--url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test")
     parser.add_argument("--brokers", default="rabbitmq,nats")
     parser.add_argument("--jobs", type=int, default=20000)
-    parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--batch", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--processes", type=int, default=0,
                         help="run N `sqla-jobs relay` processes on the queue instead of one relay in this process")

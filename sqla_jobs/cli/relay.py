@@ -42,7 +42,7 @@ def add_relay_parser(sub: Any, common: Callable[[argparse.ArgumentParser], None]
     p.add_argument("--stream", metavar="NAME", help="NATS: create this JetStream stream if it does not exist")
     p.add_argument("--stream-subject", action="append", default=[], metavar="SUBJECT",
                    help="NATS: a subject of --stream (repeat; default: the routes' subjects)")
-    p.add_argument("--batch", type=int, default=500, help="jobs claimed and published per round")
+    p.add_argument("--batch", type=int, default=1000, help="jobs claimed and published per round")
     p.add_argument("--lease", type=float, default=60.0,
                    help="seconds a claim is held; a killed relay's jobs are published again after it")
     p.add_argument("--confirm-timeout", type=float, default=15.0,

@@ -70,7 +70,8 @@ log = logging.getLogger("sqla_jobs.relay")
 #: during each publish. On the 2-core test machine, batch 500, to NATS: 4 batches 15,100-18,300 jobs/s,
 #: 8 batches 19,900-21,900, 12 and 16 no better (RabbitMQ gained from 8 too). A relay that dies leaves
 #: this many jobs at most to be published again once their leases run out, so large batches get fewer
-#: of them (2 at least: with one, nothing overlaps).
+#: of them (2 at least: with one, nothing overlaps). The default batch is 1,000 (4 in flight): half the
+#: statements per job of 500, and 0.71 of nats-py's ceiling against 0.63 (docs/performance.md).
 IN_FLIGHT_JOBS = 4000
 
 
@@ -101,7 +102,7 @@ class Relay:
         target: Target,
         *,
         queues: Sequence[str] = ("relay",),
-        batch: int = 500,
+        batch: int = 1000,
         lease: float = 60.0,
         confirm_timeout: float = 15.0,
         poll_interval: float = 0.5,

@@ -30,7 +30,24 @@ HEADER_ATTEMPT = "sqla-jobs-attempt"
 
 # One encoder for every message: json.dumps with non-default options builds a new encoder per call,
 # which was a tenth of the relay's publishing time.
-_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+_stdlib_encode = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode
+
+
+def _stdlib_body(payload: object) -> bytes:
+    return _stdlib_encode(payload).encode()
+
+
+try:  # orjson (the relay extras install it) writes the same compact UTF-8 JSON some ten times faster
+    import orjson
+except ImportError:  # pragma: no cover - the relay's extras bring it
+    _body = _stdlib_body
+else:
+
+    def _body(payload: object) -> bytes:
+        try:
+            return orjson.dumps(payload)
+        except (TypeError, orjson.JSONEncodeError):  # an integer over 64 bits: the standard library's JSON
+            return _stdlib_body(payload)
 
 
 class BrokerUnavailable(Exception):
@@ -52,7 +69,7 @@ class Outgoing:
 
 def outgoing(job: Claimed) -> Outgoing:
     """The message for ``job``: its payload as the body, its identity in headers."""
-    body = _encode(job.payload).encode()
+    body = _body(job.payload)
     headers = {
         HEADER_ID: str(job.id),
         HEADER_KIND: job.kind,

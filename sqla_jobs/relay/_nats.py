@@ -1,11 +1,12 @@
 """``NatsTarget``: publish to NATS JetStream through nats-py, ``Nats-Msg-Id`` = the job id.
 
 JetStream acknowledges each publish once the stream stored it (``PubAck``);
-the relay finishes a job only then. A batch goes out through nats-py's
-``publish_async``: every message is written at once with a reply subject of
-one shared subscription, and the acks are awaited together (``js.publish``
-made a request per message, each with its own reply inbox, future and timer,
-and the client's work per message was most of the relay's time). A connection
+the relay finishes a job only then. A batch is written at once, each message
+with a reply subject of its own under one subscription of the connection
+(``_Replies``), and the batch waits until every message has its answer. nats-py's
+``js.publish`` made a request per message, and its ``publish_async`` still
+costs a future, a semaphore wait, a random token and a parsed ``PubAck`` per
+message: the client's work was most of the relay's time. A connection
 that drops fails the batch at once instead of after ``confirm_timeout``. The stream drops a second message with the
 same ``Nats-Msg-Id`` within its duplicate window (2 minutes by default), so a
 job published again after a relay crash is stored once if it comes back
@@ -16,18 +17,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ..errors import ConfigError
-from ._message import BrokerUnavailable, Outgoing, route_for
+from ._message import HEADER_ID, BrokerUnavailable, Outgoing, route_for
 from ._rabbitmq import without_password
 
 __all__ = ["NatsTarget"]
 
-#: Most messages awaiting their PubAck at once, for nats-py's own bound: what a relay holds in flight at
-#: its largest batch (2 batches of 10,000, sqla_jobs.relay._loop.in_flight), so it never waits on it.
-MAX_PENDING_ACKS = 20_000
+#: JetStream's error codes that say the server cannot store now (not that it refuses this message).
+_UNAVAILABLE = (500, 503)
+#: An answer that says no stream stores the subject (a "503" status with no body: no responders).
+_NO_STREAM = "no stream"
 #: More than the relay's header block can take (``_wire_size``: the fixed names and lines, a job id, the
 #: kind and queue at their longest, 4 bytes a character): a body this far under max_payload needs no count.
 _HEADER_ROOM = 4096
@@ -75,6 +78,7 @@ class NatsTarget:
         self.duplicate_window = duplicate_window
         self._nc: Any = None
         self._js: Any = None
+        self._replies: _Replies | None = None  # the subscription every publish's answer comes to
         self._lost: asyncio.Event | None = None  # set when the connection closes: pending acks will never come
 
     def route(self, kind: str) -> str | None:
@@ -98,7 +102,10 @@ class NatsTarget:
 
             self._nc = await nats.connect(self.url, allow_reconnect=False, connect_timeout=5, max_reconnect_attempts=0,
                                           disconnected_cb=closed, closed_cb=closed)
-            self._js = self._nc.jetstream(publish_async_max_pending=MAX_PENDING_ACKS)
+            self._js = self._nc.jetstream()
+            replies = _Replies(self._nc.new_inbox() + ".")
+            await self._nc.subscribe(replies.prefix + "*", cb=replies.answer)
+            self._replies = replies
             if self.stream:
                 await self._ensure_stream(nats)
         except (OSError, asyncio.TimeoutError, nats.errors.Error) as exc:
@@ -116,83 +123,148 @@ class NatsTarget:
 
     async def publish(self, messages: list[Outgoing], timeout: float) -> dict[int, str | None]:
         nats = _client()
-        if self._js is None or self._nc is None or not self._nc.is_connected:
+        nc, replies = self._nc, self._replies
+        if nc is None or replies is None or not nc.is_connected:
             raise BrokerUnavailable("not connected to NATS")
         outcome: dict[int, str | None] = {}
-        limit = self._nc.max_payload
-        sendable = []
-        for m in messages:
-            headers = {"Nats-Msg-Id": m.message_id, **m.headers}
-            if len(m.body) + _HEADER_ROOM > limit and _wire_size(m.body, headers) > limit:
-                # nats-py checks the body only; the server closes the whole connection for a message
-                # whose body and headers exceed max_payload, which would cost the batch a reconnect.
-                outcome[m.job.id] = (f"the message ({len(m.body)} bytes of payload plus headers) is larger than "
-                                     f"the NATS server's max_payload ({limit} bytes)")
-            else:
-                sendable.append((m, headers))
-        messages = []
-        acks = []
-        js, lost = self._js, self._lost
+        limit = nc.max_payload
+        batch = _Batch()
+        subjects: dict[str, str] = {}  # by kind, for this batch: a route costs a lookup and a format
         try:
-            for m, headers in sendable:
-                try:
-                    acks.append(await js.publish_async(self.route(m.job.kind) or "", m.body, headers=headers))
-                except nats.errors.MaxPayloadError:
-                    outcome[m.job.id] = "the message is larger than the NATS server's max_payload"
+            for m in messages:
+                headers = {"Nats-Msg-Id": m.headers[HEADER_ID], **m.headers}
+                if len(m.body) + _HEADER_ROOM > limit and _wire_size(m.body, headers) > limit:
+                    # nats-py checks the body only; the server closes the whole connection for a message
+                    # whose body and headers exceed max_payload, which would cost the batch a reconnect.
+                    outcome[m.job.id] = (f"the message ({len(m.body)} bytes of payload plus headers) is larger "
+                                         f"than the NATS server's max_payload ({limit} bytes)")
                     continue
-                messages.append(m)
+                kind = m.job.kind
+                subject = subjects.get(kind)
+                if subject is None:
+                    subject = subjects[kind] = self.route(kind) or ""
+                reply = replies.expect(batch, m.job.id)
+                try:
+                    await nc.publish(subject, m.body, reply=reply, headers=headers)
+                except nats.errors.MaxPayloadError:
+                    replies.forget_one(batch, reply)
+                    outcome[m.job.id] = "the message is larger than the NATS server's max_payload"
         except nats.errors.Error as exc:  # closed, or cut while writing: nothing of the batch counts
-            _forget(acks)
+            replies.forget(batch)
             raise BrokerUnavailable(f"NATS publish failed: {exc!r}") from exc
-        results = await _answers(acks, lost, timeout)
-        for message, result in zip(messages, results, strict=True):
-            if not isinstance(result, BaseException):
-                outcome[message.job.id] = None
-            elif isinstance(result, nats.errors.MaxPayloadError):
-                outcome[message.job.id] = "the message is larger than the NATS server's max_payload"
-            elif isinstance(result, (nats.errors.NoRespondersError, nats.js.errors.NoStreamResponseError)):
-                outcome[message.job.id] = (f"no JetStream stream stores subject {self.route(message.job.kind)!r}: "
-                                           "add it to a stream's subjects")
-            elif isinstance(result, nats.js.errors.APIError) and not isinstance(
-                result, (nats.js.errors.ServiceUnavailableError, nats.js.errors.ServerError)
-            ):
-                outcome[message.job.id] = f"JetStream refused the message: {result!r}"
+        await _answers(batch, replies, self._lost, timeout)
+        for m in messages:
+            if m.job.id in outcome:
+                continue
+            verdict = batch.verdicts[m.job.id]
+            if verdict is _NO_STREAM:
+                outcome[m.job.id] = (f"no JetStream stream stores subject {self.route(m.job.kind)!r}: "
+                                     "add it to a stream's subjects")
+            elif isinstance(verdict, dict):
+                if verdict.get("code") in _UNAVAILABLE:
+                    raise BrokerUnavailable(f"NATS publish failed: JetStream answered {verdict!r}")
+                outcome[m.job.id] = f"JetStream refused the message: {verdict!r}"
             else:
-                raise BrokerUnavailable(f"NATS publish failed: {result!r}") from result
+                outcome[m.job.id] = None
         return outcome
 
     async def close(self) -> None:
-        nc, self._nc, self._js, self._lost = self._nc, None, None, None
+        nc, self._nc, self._js, self._lost, self._replies = self._nc, None, None, None, None
         if nc is not None:
             with contextlib.suppress(Exception):  # already cut: nothing left to close
                 await asyncio.wait_for(nc.close(), 5)
 
 
-async def _answers(acks: list[asyncio.Future[Any]], lost: asyncio.Event | None, timeout: float) -> list[Any]:
-    """Each ack's PubAck or error, once all came; ``BrokerUnavailable`` if the connection closed first or
-    they did not all come within ``timeout`` (then none of the batch counts as delivered)."""
-    if not acks:
-        return []
-    together = asyncio.gather(*acks, return_exceptions=True)
+class _Batch:
+    """One ``publish`` call's messages awaiting JetStream's answer: each answer by job id, as it comes."""
+
+    __slots__ = ("done", "subjects", "verdicts", "waiting")
+
+    def __init__(self) -> None:
+        self.verdicts: dict[int, Any] = {}  # None: stored; _NO_STREAM; or the error object JetStream sent
+        self.subjects: list[str] = []
+        self.waiting = 0
+        self.done: asyncio.Future[None] | None = None  # set once waiting is 0, if someone awaits it
+
+
+class _Replies:
+    """One subscription to ``<inbox>.*`` for the answers of every publish in flight.
+
+    Each message gets its own reply subject (``<inbox>.<n>``), which names the batch and the job the
+    answer is for. nats-py's ``publish_async`` does the same with a future, a semaphore, a random token and
+    a parsed ``PubAck`` per message, which was most of the relay's work for JetStream; here an answer is
+    one dict lookup, and only an error is parsed.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self._count = 0
+        self._expected: dict[str, tuple[_Batch, int]] = {}
+
+    def expect(self, batch: _Batch, job_id: int) -> str:
+        """The reply subject of the next message of ``batch``, for job ``job_id``."""
+        self._count += 1
+        subject = f"{self.prefix}{self._count}"
+        self._expected[subject] = (batch, job_id)
+        batch.subjects.append(subject)
+        batch.waiting += 1
+        return subject
+
+    def forget_one(self, batch: _Batch, subject: str) -> None:
+        """A message that was not sent after all."""
+        if self._expected.pop(subject, None) is not None:
+            batch.waiting -= 1
+
+    def forget(self, batch: _Batch) -> None:
+        """A batch given up (cut, timed out): answers that still come are dropped."""
+        for subject in batch.subjects:
+            self._expected.pop(subject, None)
+
+    async def answer(self, msg: Any) -> None:
+        entry = self._expected.pop(msg.subject, None)
+        if entry is None:  # for a batch given up, or a second answer to one message
+            return
+        batch, job_id = entry
+        batch.verdicts[job_id] = _verdict(msg)
+        batch.waiting -= 1
+        if batch.waiting == 0 and batch.done is not None and not batch.done.done():
+            batch.done.set_result(None)
+
+
+def _verdict(msg: Any) -> Any:
+    """None if JetStream stored the message (a ``PubAck``, or a duplicate of one), else why not."""
+    headers = msg.headers
+    if headers and headers.get("Status") == "503":
+        return _NO_STREAM
+    data = msg.data
+    if b'"error"' not in data:  # every PubAck (its stream's name may hold the word: parsed below)
+        return None
+    try:
+        return json.loads(data).get("error") or None
+    except ValueError:
+        return {"description": f"an answer that is not JSON: {data[:200]!r}"}
+
+async def _answers(batch: _Batch, replies: _Replies, lost: asyncio.Event | None, timeout: float) -> None:
+    """Wait until every message of ``batch`` has its answer; ``BrokerUnavailable`` if the connection closed
+    first or they did not all come within ``timeout`` (then none of the batch counts as delivered)."""
+    if not batch.waiting:
+        return
+    done = batch.done = asyncio.get_running_loop().create_future()
     closed = asyncio.ensure_future(lost.wait()) if lost is not None else None
     try:
-        await asyncio.wait([together] if closed is None else [together, closed], timeout=timeout,
+        await asyncio.wait([done] if closed is None else [done, closed], timeout=timeout,
                            return_when=asyncio.FIRST_COMPLETED)
     finally:
         if closed is not None:
             closed.cancel()
-    if together.done():
-        return together.result()
-    together.cancel()
+    if done.done():
+        return
+    done.cancel()
+    missing = batch.waiting
+    replies.forget(batch)
     if lost is not None and lost.is_set():
-        raise BrokerUnavailable(f"the NATS connection closed with {len(acks)} message(s) awaiting JetStream's ack")
-    raise BrokerUnavailable(f"JetStream did not acknowledge {len(acks)} message(s) within {timeout:g}s")
-
-
-def _forget(acks: list[asyncio.Future[Any]]) -> None:
-    """Give up the acks of a batch that failed while being written (their futures never resolve)."""
-    for ack in acks:
-        ack.cancel()
+        raise BrokerUnavailable(f"the NATS connection closed with {missing} message(s) awaiting JetStream's ack")
+    raise BrokerUnavailable(f"JetStream did not acknowledge {missing} message(s) within {timeout:g}s")
 
 
 def _wire_size(body: bytes, headers: dict[str, str]) -> int:
