@@ -37,8 +37,10 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
+from sqla_jobs.drivers.postgresql.notify import AUTOVACUUM
 from tests import forkserver
 from tests.conftest import BACKENDS, PG_URL, ROOT, Database, make_database, require_postgres
+from tests.test_vacuum import table_settings
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -247,6 +249,9 @@ def test_render_upgrade_check_and_work(empty_db: Database, tmp_path: Path) -> No
 
     project.alembic("upgrade", "head")
     assert index_names(empty_db, "app_tasks") >= QUEUE_INDEXES
+    if empty_db.backend == "postgresql":  # the revision gives the jobs table its autovacuum settings too
+        assert "autovacuum_vacuum_threshold = 20000" in source
+        assert table_settings(empty_db, "app_tasks") == AUTOVACUUM
     project.check_clean()
     # Nothing left to render once the database is up to date.
     again = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_db.url)

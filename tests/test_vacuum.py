@@ -24,9 +24,10 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
+from sqla_jobs.drivers.postgresql.notify import AUTOVACUUM
 from sqla_jobs.worker.vacuum import Vacuumer
 from tests import app, forkserver
-from tests.conftest import PG_URL, ROOT, Database, require_postgres
+from tests.conftest import PG_URL, ROOT, Database, make_database, require_postgres
 from tests.helpers import count, run_burst
 from tests.test_processes import wait_until
 
@@ -217,3 +218,29 @@ def test_workers_claim_and_finish_while_a_vacuum_holds_its_lock(pg: Database) ->
         vacuum.close()
         vacuum_engine.dispose()
     assert done.is_set()
+
+
+def table_settings(db: Database, table: str = "jobs") -> dict[str, str]:
+    """A table's storage parameters as PostgreSQL keeps them (``pg_class.reloptions``)."""
+    with db.engine.connect() as conn:
+        options = conn.execute(text("SELECT reloptions FROM pg_class WHERE oid = to_regclass(:t)"),
+                               {"t": table}).scalar_one()
+    return dict(option.split("=", 1) for option in options or [])
+
+
+def test_a_jobs_table_made_by_create_all_vacuums_by_a_count_of_dead_rows(pg: Database) -> None:
+    # The server's default (20 % of the table dead) never comes for a table that keeps millions of
+    # finished jobs, while each claim walks the dead entries earlier claims left (docs/performance.md).
+    assert table_settings(pg) == AUTOVACUUM == {"autovacuum_vacuum_scale_factor": "0",
+                                                "autovacuum_vacuum_threshold": "20000"}
+    assert table_settings(pg, "dead_jobs") == {}  # the dead letters see few updates: the server's defaults
+
+
+def test_create_tables_gives_the_jobs_table_its_settings_once_and_leaves_a_users_own(tmp_path: Path) -> None:
+    for db in make_database("postgresql", tmp_path):
+        app.queue.create_tables(db.engine)
+        assert table_settings(db) == AUTOVACUUM
+        with db.engine.begin() as conn:  # an operator's own tuning of an existing table
+            conn.execute(text("ALTER TABLE jobs SET (autovacuum_vacuum_threshold = 5000, fillfactor = 80)"))
+        app.queue.create_tables(db.engine)  # creates what is missing, changes nothing that exists
+        assert table_settings(db) == {**AUTOVACUUM, "autovacuum_vacuum_threshold": "5000", "fillfactor": "80"}

@@ -22,6 +22,9 @@ With ``--soak SECONDS --rate R`` it instead runs the soak (issue #11) of
 sqla-jobs (``sqla-jobs bench --soak``) and of pgqueuer (``soak_pgqueuer.py``),
 one after the other, and writes both into one JSON, CSV and plot (compare_soak.py).
 
+``--private-cluster`` instead of ``--url``: the same on a PostgreSQL ``initdb``ed into a
+temporary folder with the server's defaults (autovacuum on, as users run it), removed at the end.
+
 A peer that fails to install or to run is reported and left out; the others go
 on. See docs/bench/README.md for what each number means.
 """
@@ -375,7 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="Details: docs/bench/README.md")
-    p.add_argument("--url", required=True, help="PostgreSQL URL, e.g. postgresql://postgres@127.0.0.1:5432/test")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="PostgreSQL URL, e.g. postgresql://postgres@127.0.0.1:5432/test")
+    where.add_argument("--private-cluster", action="store_true",
+                       help="initdb a throwaway PostgreSQL with the server's defaults (autovacuum on), measure "
+                            "there, remove it (history_cost.py's)")
     p.add_argument("--jobs", type=int, default=10_000, help="jobs per drain / bulk enqueue (default 10000)")
     p.add_argument("--runs", type=int, default=3, help="runs per system; medians are reported (default 3)")
     p.add_argument("--peers", default="pgqueuer,procrastinate",
@@ -418,6 +425,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if not args.private_cluster:
+        return run(args)
+    sys.path.insert(0, str(HERE))
+    from history_cost import private_cluster
+
+    with private_cluster() as url:
+        args.url = url
+        return run(args)
+
+
+def run(args: argparse.Namespace) -> int:
     peers = [p.strip() for p in args.peers.split(",") if p.strip()]
     unknown = [p for p in peers if p not in PEERS]
     if unknown:

@@ -338,6 +338,12 @@ def render_revision(
         # The revision template indents the first line itself; every other line carries its own indent.
         upgrades = f"{upgrades}\n{trigger[0]}" if upgrades else trigger[0].lstrip()
         downgrades = trigger[1].lstrip() + (f"\n    {downgrades}" if downgrades else "")
+    job_table = queue.job_model.__table__  # type: ignore[attr-defined]
+    if any(isinstance(op, ops.CreateTableOp) and op.table_name == job_table.name for op in upgrade.ops):
+        # The revision creates the (plain) jobs table: the backends' settings for it follow.
+        codes = (d.table_settings_migration(job_table) for d in ([driver_class_of(connection)] if connection is not None
+                                                                 else registered()))
+        upgrades += "".join(f"\n{code}" for code in codes if code)
     tables = ", ".join(m.__table__.fullname for m in (queue.job_model, queue.dead_model))  # type: ignore[attr-defined]
     if message is None:
         message = f"sqla-jobs tables {tables}" if connection is None else f"sqla-jobs schema upgrade of {tables}"

@@ -177,6 +177,12 @@ class Setup:
         return None
 
     @classmethod
+    def table_settings_migration(cls, table: Table) -> str | None:
+        """Alembic upgrade code for the settings this backend gives a jobs table it creates (guarded on the
+        dialect like ``wake_trigger_migration``; the downgrade drops the table with them), or None."""
+        return None
+
+    @classmethod
     def applies(cls, index: Index) -> bool:
         """Whether ``index`` is built on this backend (the index rules may name the dialects an index is for)."""
         names = index_dialects(index)

@@ -19,7 +19,7 @@ from sqlalchemy.types import TypeEngine
 from .._setup import GeneratedColumn, IndexDefinition
 from ..base import Driver
 from . import partitions
-from .notify import notify_trigger_ddl, notify_trigger_name, pg_name
+from .notify import autovacuum_ddl, notify_trigger_ddl, notify_trigger_name, pg_name
 
 __all__ = ["PgSchema"]
 
@@ -58,6 +58,14 @@ class PgSchema(Driver):
     def attach_table_events(cls, table: Table) -> None:
         create, _drop = notify_trigger_ddl(table)
         event.listen(table, "after_create", DDL(create).execute_if(dialect=cls.name))
+        event.listen(table, "after_create", DDL(autovacuum_ddl(table)).execute_if(dialect=cls.name))
+
+    @classmethod
+    def table_settings_migration(cls, table: Table) -> str | None:
+        return (f'    if op.get_bind().dialect.name == "{cls.name}":\n'
+                "        # vacuum by a count of dead rows, not a share of the table: see "
+                "sqla_jobs.drivers.postgresql.notify.AUTOVACUUM\n"
+                f"        op.execute({autovacuum_ddl(table)!r})")
 
     @classmethod
     def wake_trigger_migration(cls, table: Table) -> tuple[str, str, str] | None:
