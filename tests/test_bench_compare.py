@@ -13,6 +13,7 @@ import json
 import re
 import subprocess
 import sys
+import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from sqlalchemy.engine import make_url
 
 from tests import forkserver
 from tests.conftest import PG_URL, ROOT, require_postgres
@@ -165,3 +167,25 @@ def test_the_drivers_own_transaction_is_shown_against_pgqueuers_single_enqueue()
     assert re.search(r"ceiling: psycopg alone, BEGIN \+ INSERT \+ COMMIT / pgqueuer single +0\.90\)", text), text
     text, _ = compare.render({"sqla-jobs": sqla_jobs}, args)
     assert "ceiling: psycopg alone" not in text
+
+
+def test_compare_on_a_private_cluster_measures_there_and_removes_it(tmp_path: Path) -> None:
+    """``--private-cluster``: a throwaway server with autovacuum on (history_cost.py's), gone afterwards."""
+    require_postgres()  # the same binaries as the shared server's
+    out_json = tmp_path / "out.json"
+    before = set(Path(tempfile.gettempdir()).glob("sqla-jobs-history-*"))
+    proc = forkserver.Popen(
+        [sys.executable, str(BENCH / "compare.py"), "--private-cluster", "--peers", "", "--no-raw", "--jobs", "40",
+         "--runs", "1", "--latency-samples", "5", "--sqla-jobs-drain", "1x2", "--child-timeout", "120",
+         "--json", str(out_json)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    stdout, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stdout + stderr
+    report = json.loads(out_json.read_text())
+    assert report["systems"]["sqla-jobs"]["medians"]["drain_best"] > 0
+    settings = report["settings"]
+    assert settings["private_cluster"] is True
+    port = make_url(settings["url"]).port
+    assert port is not None and port != make_url(PG_URL).port  # measured on the private server, not the shared one
+    assert set(Path(tempfile.gettempdir()).glob("sqla-jobs-history-*")) == before  # its folder is removed

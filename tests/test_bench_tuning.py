@@ -70,15 +70,18 @@ def test_cpu_split_drains_through_the_cli_at_each_setting(tmp_path: Path) -> Non
     assert all(float(r[3]) > 0 for r in rows), stdout
 
 
-def test_finish_cost_times_the_three_finishes_and_drops_its_schema(tmp_path: Path) -> None:
+def test_finish_cost_times_the_four_finishes_and_drops_its_schema(tmp_path: Path) -> None:
     """docs/bench/finish_cost.py: each finish ran over every job (the script checks the count), the row kept
-    writes more WAL than the row moved, which writes more than the row deleted, and no scratch schema is left."""
+    writes more WAL than the row moved, which writes more than the row deleted; only the table whose indexes
+    leave the finished columns alone gets HOT updates; no scratch schema is left."""
     require_postgres()
     result = json.loads(_run(tmp_path, "finish_cost.py", "--jobs", "500", "--runs", "2", "--json"))
-    assert set(result) == {"update", "delete", "move"}
+    assert set(result) == {"update", "delete", "move", "hot"}
     assert all(len(r["us_runs"]) == 2 and r["us_per_job"] > 0 for r in result.values()), result
     wal = {name: r["wal_bytes_per_job"] for name, r in result.items()}
     assert wal["update"] > wal["move"] > wal["delete"], wal
+    hot = {name: r["hot_share"] for name, r in result.items()}
+    assert hot["update"] == hot["delete"] == hot["move"] == 0 and hot["hot"] > 0.2, hot
     engine = create_engine(PG_URL)
     with engine.connect() as conn:
         left = conn.execute(text("SELECT count(*) FROM pg_namespace WHERE nspname LIKE 'bench_finish_%'")).scalar_one()

@@ -13,7 +13,11 @@ three ways, taking turns:
   entry goes into every index that holds finished rows;
 * ``delete``: ``--discard-finished``, the row gone;
 * ``move``: the row deleted and inserted into a history table of the same shape (primary key only), in one
-  statement: what a finish would cost if finished jobs lived in a table of their own.
+  statement: what a finish would cost if finished jobs lived in a table of their own;
+* ``hot``: today's ``UPDATE`` on a copy of the table (``jobs_hot``, fillfactor 70) whose only indexes are the
+  primary key and a claim index whose predicate names a column the finish leaves alone
+  (``claim_token IS NULL``): a finish that may be a HOT update, the best a redesign of the indexes could do.
+  The share of its updates PostgreSQL made HOT is printed beside it.
 
 For each, the median microseconds per job and the WAL bytes per job (``pg_current_wal_lsn`` before and after).
 The scratch schema is dropped afterwards. Prints a table, or JSON with ``--json``.
@@ -33,15 +37,17 @@ from sqlalchemy import create_engine, make_url, text
 
 from sqla_jobs.bench.app import queue
 
-FINISHES = {
-    "update": "UPDATE jobs SET state = 'finished', finished_at = now(), lease_expires_at = NULL "
-              "WHERE id = ANY(%s) RETURNING id",
-    "delete": "DELETE FROM jobs WHERE id = ANY(%s) RETURNING id",
-    "move": "WITH moved AS (DELETE FROM jobs WHERE id = ANY(%s) RETURNING *) "
-            "INSERT INTO jobs_history SELECT * FROM moved RETURNING id",
+_UPDATE = ("UPDATE {table} SET state = 'finished', finished_at = now(), lease_expires_at = NULL "
+           "WHERE id = ANY(%s) RETURNING id")
+FINISHES = {  # the table each way finishes its jobs in, and its statement
+    "update": ("jobs", _UPDATE.format(table="jobs")),
+    "delete": ("jobs", "DELETE FROM jobs WHERE id = ANY(%s) RETURNING id"),
+    "move": ("jobs", "WITH moved AS (DELETE FROM jobs WHERE id = ANY(%s) RETURNING *) "
+                     "INSERT INTO jobs_history SELECT * FROM moved RETURNING id"),
+    "hot": ("jobs_hot", _UPDATE.format(table="jobs_hot")),
 }
 FILL = """
-INSERT INTO jobs (kind, queue, payload, priority, state, run_at, created_at, attempts, max_attempts,
+INSERT INTO {table} (kind, queue, payload, priority, state, run_at, created_at, attempts, max_attempts,
                   locked_at, locked_by, claim_token, lease_expires_at, isolate)
 SELECT 'send_email', 'default', '{"to": "someone@example.com", "n": 1}', 0, 'running', now(), now(), 1, 20,
        now(), 'bench', 'token-' || g, now() + interval '1 minute', false
@@ -61,6 +67,10 @@ def measure(url: str, jobs: int, batch: int, runs: int) -> dict[str, Any]:
         with scratch.begin() as conn:
             conn.execute(text("CREATE TABLE jobs_history (LIKE jobs INCLUDING DEFAULTS)"))
             conn.execute(text("ALTER TABLE jobs_history ADD PRIMARY KEY (id)"))
+            conn.execute(text("CREATE TABLE jobs_hot (LIKE jobs INCLUDING DEFAULTS) WITH (fillfactor = 70)"))
+            conn.execute(text("ALTER TABLE jobs_hot ADD PRIMARY KEY (id)"))
+            conn.execute(text("CREATE INDEX ix_jobs_hot_pending ON jobs_hot (priority DESC, run_at, id) "
+                              "WHERE claim_token IS NULL"))
         scratch.dispose()
         dsn = base.set(drivername="postgresql").render_as_string(hide_password=False)
         with psycopg.connect(dsn, autocommit=True, options=f"-csearch_path={schema}") as conn:
@@ -74,16 +84,19 @@ def measure(url: str, jobs: int, batch: int, runs: int) -> dict[str, Any]:
 def _rounds(conn: psycopg.Connection[Any], jobs: int, batch: int, runs: int) -> dict[str, Any]:
     us: dict[str, list[float]] = {name: [] for name in FINISHES}
     wal: dict[str, list[float]] = {name: [] for name in FINISHES}
+    hot: dict[str, list[float]] = {name: [] for name in FINISHES}
     for run in range(runs):
         for name in list(FINISHES) if run % 2 == 0 else list(reversed(FINISHES)):  # turns, reversed each round
-            conn.execute(FILL, (jobs,))
-            conn.execute("VACUUM ANALYZE jobs")
-            ids = [row[0] for row in conn.execute("SELECT id FROM jobs ORDER BY id")]
+            table, statement = FINISHES[name]
+            conn.execute(FILL.replace("{table}", table), (jobs,))  # type: ignore[arg-type]
+            conn.execute(f"VACUUM ANALYZE {table}")  # type: ignore[arg-type]
+            ids = [row[0] for row in conn.execute(f"SELECT id FROM {table} ORDER BY id")]  # type: ignore[arg-type]
+            hot_before = _hot_updates(conn, table)
             start_lsn = _lsn(conn)
             started = time.perf_counter()
             done = 0
             for i in range(0, len(ids), batch):
-                done += len(conn.execute(FINISHES[name], (ids[i:i + batch],)).fetchall())  # type: ignore[arg-type]
+                done += len(conn.execute(statement, (ids[i:i + batch],)).fetchall())  # type: ignore[arg-type]
             elapsed = time.perf_counter() - started
             if done != len(ids):
                 raise RuntimeError(f"{name}: finished {done} of {len(ids)} jobs")
@@ -91,9 +104,20 @@ def _rounds(conn: psycopg.Connection[Any], jobs: int, batch: int, runs: int) -> 
             assert row is not None
             us[name].append(elapsed / len(ids) * 1e6)
             wal[name].append(float(row[0]) / len(ids))
-            conn.execute("TRUNCATE jobs, jobs_history")
+            hot[name].append((_hot_updates(conn, table) - hot_before) / len(ids))
+            conn.execute("TRUNCATE jobs, jobs_history, jobs_hot")
     return {name: {"us_per_job": statistics.median(us[name]), "us_runs": [round(v, 2) for v in us[name]],
-                   "wal_bytes_per_job": statistics.median(wal[name])} for name in FINISHES}
+                   "wal_bytes_per_job": statistics.median(wal[name]), "hot_share": statistics.median(hot[name])}
+            for name in FINISHES}
+
+
+def _hot_updates(conn: psycopg.Connection[Any], table: str) -> int:
+    """The table's HOT updates so far, this session's included (PostgreSQL 15 reports them on a flush)."""
+    conn.execute("SELECT pg_stat_force_next_flush()")
+    conn.execute("SELECT 1")  # the statement after which the flush happens
+    row = conn.execute("SELECT n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = %s::regclass",
+                       (table,)).fetchone()
+    return int(row[0]) if row is not None else 0
 
 
 def _lsn(conn: psycopg.Connection[Any]) -> str:
@@ -114,10 +138,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(result))
         return
-    print("| finish | us/job (median) | runs | WAL bytes/job |\n|---|---|---|---|")
+    print("| finish | us/job (median) | runs | WAL bytes/job | HOT updates |\n|---|---|---|---|---|")
     for name, r in result.items():
         runs = " · ".join(f"{v:.1f}" for v in r["us_runs"])
-        print(f"| {name} | {r['us_per_job']:.1f} | {runs} | {r['wal_bytes_per_job']:.0f} |")
+        print(f"| {name} | {r['us_per_job']:.1f} | {runs} | {r['wal_bytes_per_job']:.0f} | {r['hot_share']:.0%} |")
 
 
 if __name__ == "__main__":
