@@ -37,7 +37,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import JSONB
 
-from sqla_jobs.drivers.postgresql.notify import AUTOVACUUM
+from sqla_jobs.drivers.postgresql.vacuum import AUTOVACUUM
 from tests import forkserver
 from tests.conftest import BACKENDS, PG_URL, ROOT, Database, make_database, require_postgres
 from tests.test_vacuum import table_settings

@@ -24,7 +24,7 @@ from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from sqla_jobs.drivers.postgresql.notify import AUTOVACUUM
+from sqla_jobs.drivers.postgresql.vacuum import AUTOVACUUM
 from sqla_jobs.worker.vacuum import Vacuumer
 from tests import app, forkserver
 from tests.conftest import PG_URL, ROOT, Database, make_database, require_postgres

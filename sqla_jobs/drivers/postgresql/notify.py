@@ -4,8 +4,7 @@ A statement-level trigger on the jobs table NOTIFYs at commit, so a worker
 waiting in ``pg_listen`` claims a new job about a millisecond after the
 enqueuing transaction commits. ``create-tables`` creates it with the table and
 ``migrations render`` writes it into revisions (autogenerate cannot see
-triggers). Beside it, the table's own autovacuum settings (``AUTOVACUUM``), set
-when the table is created.
+triggers).
 """
 
 from __future__ import annotations
@@ -13,14 +12,7 @@ from __future__ import annotations
 from sqlalchemy import Table
 from sqlalchemy.dialects import postgresql
 
-__all__ = ["AUTOVACUUM", "autovacuum_ddl", "notify_channel", "notify_trigger_ddl", "notify_trigger_name", "pg_name"]
-
-#: The jobs table's own autovacuum trigger, set when sqla-jobs creates the table: a vacuum after every
-#: 20,000 dead row versions (about 10,000 jobs: a claim and a finish leave one each), however many finished
-#: rows it keeps. The server's default waits for 20 % of the table: never, for a table that keeps millions,
-#: while every claim walks the dead index entries the claims before it left (docs/performance.md, "What
-#: history costs"). Autovacuum visits a table at most once per naptime (a minute by default).
-AUTOVACUUM = {"autovacuum_vacuum_scale_factor": "0", "autovacuum_vacuum_threshold": "20000"}
+__all__ = ["notify_channel", "notify_trigger_ddl", "notify_trigger_name", "pg_name"]
 
 
 def notify_channel(table: Table) -> str:
@@ -60,9 +52,3 @@ def notify_trigger_ddl(table: Table) -> tuple[str, str]:
     )
     drop = f"DROP TRIGGER IF EXISTS {trigger} ON {target}"
     return create, drop
-
-
-def autovacuum_ddl(table: Table) -> str:
-    """PostgreSQL DDL giving the jobs table its ``AUTOVACUUM`` settings."""
-    settings = ", ".join(f"{name} = {value}" for name, value in AUTOVACUUM.items())
-    return f"ALTER TABLE {pg_name(table)} SET ({settings})"

@@ -19,7 +19,8 @@ from sqlalchemy.types import TypeEngine
 from .._setup import GeneratedColumn, IndexDefinition
 from ..base import Driver
 from . import partitions
-from .notify import autovacuum_ddl, notify_trigger_ddl, notify_trigger_name, pg_name
+from .notify import notify_trigger_ddl, notify_trigger_name, pg_name
+from .vacuum import autovacuum_ddl
 
 __all__ = ["PgSchema"]
 
@@ -64,7 +65,7 @@ class PgSchema(Driver):
     def table_settings_migration(cls, table: Table) -> str | None:
         return (f'    if op.get_bind().dialect.name == "{cls.name}":\n'
                 "        # vacuum by a count of dead rows, not a share of the table: see "
-                "sqla_jobs.drivers.postgresql.notify.AUTOVACUUM\n"
+                "sqla_jobs.drivers.postgresql.vacuum.AUTOVACUUM\n"
                 f"        op.execute({autovacuum_ddl(table)!r})")
 
     @classmethod

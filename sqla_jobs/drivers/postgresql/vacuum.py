@@ -1,4 +1,5 @@
-"""PostgreSQL: the jobs table's dead rows, counted and vacuumed (``sqla_jobs.worker.vacuum`` decides when).
+"""PostgreSQL: the jobs table's dead rows, counted and vacuumed (``sqla_jobs.worker.vacuum`` decides when),
+and the autovacuum trigger a plain jobs table is created with (``AUTOVACUUM``).
 
 Mixed into ``PostgreSQLDriver``. A partitioned jobs table (``pg_partitions``) is
 counted over its partitions, and ``VACUUM`` of the parent vacuums each of them.
@@ -10,7 +11,14 @@ from sqlalchemy import Connection, Table, text
 
 from .notify import pg_name
 
-__all__ = ["PgVacuum"]
+__all__ = ["AUTOVACUUM", "PgVacuum", "autovacuum_ddl"]
+
+#: The jobs table's own autovacuum trigger, set when sqla-jobs creates the table: a vacuum after every
+#: 20,000 dead row versions (about 10,000 jobs: a claim and a finish leave one each), however many finished
+#: rows it keeps. The server's default waits for 20 % of the table: never, for a table that keeps millions,
+#: while every claim walks the dead index entries the claims before it left (docs/performance.md, "What
+#: history costs"). Autovacuum visits a table at most once per naptime (a minute by default).
+AUTOVACUUM = {"autovacuum_vacuum_scale_factor": "0", "autovacuum_vacuum_threshold": "20000"}
 
 
 class PgVacuum:
@@ -43,3 +51,9 @@ class PgVacuum:
 
     def bench_vacuum(self, conn: Connection) -> None:
         conn.execute(text(f"VACUUM {pg_name(self.jobs)}"))
+
+
+def autovacuum_ddl(table: Table) -> str:
+    """PostgreSQL DDL giving the jobs table its ``AUTOVACUUM`` settings."""
+    settings = ", ".join(f"{name} = {value}" for name, value in AUTOVACUUM.items())
+    return f"ALTER TABLE {pg_name(table)} SET ({settings})"
