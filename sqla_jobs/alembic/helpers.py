@@ -24,7 +24,7 @@ from sqlalchemy import Connection, MetaData, inspect, make_url
 from sqlalchemy.dialects import postgresql
 
 from ..drivers import driver_class_of, migration_guard, migration_imports, normalise_url, registered
-from ..drivers.base import index_dialects
+from ..drivers.base import Driver, index_dialects
 from ..errors import ConfigError
 from .compare import (
     _leave_our_indexes_to_us,
@@ -225,6 +225,12 @@ def _create_schemas(metadata: MetaData, conn: Connection | None) -> list[ops.Mig
     return [ops.ExecuteSQLOp(f"CREATE SCHEMA IF NOT EXISTS {preparer.quote_schema(s)}") for s in schemas]
 
 
+def _backends(conn: Connection | None) -> list[type[Driver]]:
+    """The backend a revision rendered against ``conn`` is for, or, without a database, every registered one
+    (the code each writes checks the dialect when it runs, so one revision serves them all)."""
+    return [driver_class_of(conn)] if conn is not None else list(registered())
+
+
 def _notify_trigger_code(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[str, str, list[str]] | None:
     """Upgrade and downgrade code for the wake-up trigger(s), if the database lacks them, and their summary.
 
@@ -232,13 +238,9 @@ def _notify_trigger_code(queue: JobQueue[Any, Any], conn: Connection | None) -> 
     dialect when it runs, so one revision still serves every backend.
     """
     table = queue.job_model.__table__  # type: ignore[attr-defined]
-    if conn is not None:
-        if queue.driver(conn).has_notify_trigger(conn):
-            return None
-        candidates = [driver_class_of(conn)]
-    else:
-        candidates = list(registered())
-    codes = [code for code in (d.wake_trigger_migration(table) for d in candidates) if code is not None]
+    if conn is not None and queue.driver(conn).has_notify_trigger(conn):
+        return None
+    codes = [code for code in (d.wake_trigger_migration(table) for d in _backends(conn)) if code is not None]
     if not codes:
         return None
     return "\n".join(c[0] for c in codes), "\n".join(c[1] for c in codes), [c[2] for c in codes]
@@ -247,7 +249,7 @@ def _notify_trigger_code(queue: JobQueue[Any, Any], conn: Connection | None) -> 
 def _partitioned_code(queue: JobQueue[Any, Any], conn: Connection | None) -> tuple[str, str, str]:
     """The backend's code creating the jobs table partitioned; ConfigError where it cannot be."""
     table = queue.job_model.__table__  # type: ignore[attr-defined]
-    drivers = [driver_class_of(conn)] if conn is not None else list(registered())
+    drivers = _backends(conn)
     codes = [code for code in (d.partitioned_migration(table) for d in drivers) if code is not None]
     if not codes:
         raise ConfigError(f"--partitioned: {drivers[0].label} has no partitioned mode (it is PostgreSQL's)")
@@ -341,8 +343,7 @@ def render_revision(
     job_table = queue.job_model.__table__  # type: ignore[attr-defined]
     if any(isinstance(op, ops.CreateTableOp) and op.table_name == job_table.name for op in upgrade.ops):
         # The revision creates the (plain) jobs table: the backends' settings for it follow.
-        codes = (d.table_settings_migration(job_table) for d in ([driver_class_of(connection)] if connection is not None
-                                                                 else registered()))
+        codes = (d.table_settings_migration(job_table) for d in _backends(connection))
         upgrades += "".join(f"\n{code}" for code in codes if code)
     tables = ", ".join(m.__table__.fullname for m in (queue.job_model, queue.dead_model))  # type: ignore[attr-defined]
     if message is None:

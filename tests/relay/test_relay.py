@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -17,7 +18,7 @@ from sqla_jobs.testing import make_due
 from tests.conftest import Database, run_cli
 from tests.relay_app import RelayDeadJob, RelayJob, queue
 
-from .brokers import BrokerSpace
+from .brokers import BrokerSpace, require
 from .conftest import wait_for
 
 ROUTES = {"order.created": "stored.orders.created", "order.paid": "stored.orders.paid"}
@@ -211,3 +212,37 @@ def test_a_worker_that_takes_a_relayed_job_by_mistake_puts_it_back_unharmed(
     Relay(relay_db.engine, queue, space.target(ROUTES)).run(until_idle=True)
     assert [r.body for r in space.read_all(expect=1)] == [{"n": 1}]
     assert states(relay_db) == {"finished": 1}
+
+
+def test_a_message_jetstream_refuses_fails_alone_with_jetstreams_reason(relay_pg: Database) -> None:
+    # The stream takes messages of at most 200 bytes: JetStream answers the bigger one with an API error
+    # (code 400, "message size exceeds maximum allowed"), a refusal of that message and not an outage: it
+    # fails like a handler (here its only attempt, so it ends dead) while the rest of its batch is stored.
+    require("nats")
+    space = BrokerSpace("nats")
+    try:
+        asyncio.run(_stream_with_max_msg_size(space, 200))
+        with Session(relay_pg.engine) as session, session.begin():
+            session.add(RelayJob(kind="order.created", queue="relay", payload={"n": 1}))
+            session.add(RelayJob(kind="order.created", queue="relay", payload={"blob": "x" * 500}, max_attempts=1))
+            session.add(RelayJob(kind="order.created", queue="relay", payload={"n": 3}))
+        counts = Relay(relay_pg.engine, queue, space.target(ROUTES)).run(until_idle=True)
+        assert (counts.published, counts.refused, counts.interrupted) == (2, 1, 0)
+        assert sorted(r.body["n"] for r in space.read_all(expect=2)) == [1, 3]
+        with Session(relay_pg.engine) as session:
+            dead = session.scalars(select(RelayDeadJob)).one()
+        assert "JetStream refused the message" in (dead.last_error or "")
+        assert "message size exceeds maximum allowed" in (dead.last_error or "")
+    finally:
+        space.delete()
+
+
+async def _stream_with_max_msg_size(space: BrokerSpace, size: int) -> None:
+    """The test's stream made beforehand with a size limit (the relay finds it and leaves it as it is)."""
+    import nats
+
+    nc = await nats.connect(space.url)
+    try:
+        await nc.jetstream().add_stream(name=space.name, subjects=[f"{space.prefix}.stored.>"], max_msg_size=size)
+    finally:
+        await nc.close()
