@@ -18,10 +18,14 @@ from tests.test_operations import APP, _start_worker, _stop, _wait_for, effects,
 
 
 class Running:
-    """A worker in a thread of this process, with a short heartbeat so requests arrive fast."""
+    """A worker in a thread of this process, with a short heartbeat so requests arrive fast.
+
+    The lease is long: a cancel needs only the heartbeat, and with a short one a database slowed for a few
+    seconds by a loaded machine made the worker stop its jobs itself (self-fencing) and run them again.
+    """
 
     def __init__(self, db: Database, **settings: Any) -> None:
-        self.worker = Worker(db.engine, queue, concurrency=2, poll_interval=0.05, lease=3.0, heartbeat=0.2,
+        self.worker = Worker(db.engine, queue, concurrency=2, poll_interval=0.05, lease=30.0, heartbeat=0.2,
                              **settings)
         self.thread = threading.Thread(target=self.worker.run, kwargs={"install_signals": False}, daemon=True)
 
@@ -111,7 +115,7 @@ def test_other_jobs_of_the_worker_are_untouched(db: Database) -> None:
 def test_cli_cancel_reaches_a_worker_process(db: Database) -> None:
     """Across processes, through the command line: the worker process hears of it at a heartbeat."""
     job_id = enqueue(db, "cooperative", payload={"mode": "return"})
-    worker = _start_worker(db, "--lease", "3", "--heartbeat", "0.2")
+    worker = _start_worker(db, "--lease", "30", "--heartbeat", "0.2")
     try:
         _wait_for(lambda: effects(db, job_id) == ["start"])
         result = run_cli("jobs", "cancel", str(job_id), *APP, env=db.env())
