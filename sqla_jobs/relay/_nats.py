@@ -244,6 +244,7 @@ def _verdict(msg: Any) -> Any:
     except ValueError:
         return {"description": f"an answer that is not JSON: {data[:200]!r}"}
 
+
 async def _answers(batch: _Batch, replies: _Replies, lost: asyncio.Event | None, timeout: float) -> None:
     """Wait until every message of ``batch`` has its answer; ``BrokerUnavailable`` if the connection closed
     first or they did not all come within ``timeout`` (then none of the batch counts as delivered)."""

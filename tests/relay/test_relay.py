@@ -246,3 +246,40 @@ async def _stream_with_max_msg_size(space: BrokerSpace, size: int) -> None:
         await nc.jetstream().add_stream(name=space.name, subjects=[f"{space.prefix}.stored.>"], max_msg_size=size)
     finally:
         await nc.close()
+
+
+def test_a_stream_that_cannot_store_now_interrupts_the_batch_instead_of_failing_its_jobs() -> None:
+    # A full stream that discards new messages answers 503 ("maximum messages exceeded"): JetStream cannot
+    # store now, which says nothing against the message. The batch is not delivered (BrokerUnavailable: the
+    # relay refunds it and tries again later) rather than one job failing for the stream's state.
+    require("nats")
+    space = BrokerSpace("nats")
+    try:
+        asyncio.run(_publish_to_a_full_stream(space))
+    finally:
+        space.delete()
+
+
+async def _publish_to_a_full_stream(space: BrokerSpace) -> None:
+    import nats
+    from nats.js.api import DiscardPolicy
+
+    from sqla_jobs.drivers.base import Claimed
+    from sqla_jobs.relay._message import BrokerUnavailable, outgoing
+
+    nc = await nats.connect(space.url)
+    try:
+        await nc.jetstream().add_stream(name=space.name, subjects=[f"{space.prefix}.stored.>"], max_msgs=1,
+                                        discard=DiscardPolicy.NEW)
+    finally:
+        await nc.close()
+    target = space.target(ROUTES)
+    await target.connect()
+    try:
+        first = outgoing(Claimed(1, "order.created", "relay", {"n": 1}, 1, 5, 0, "t1"))
+        assert await target.publish([first], 5.0) == {1: None}  # stored: the stream is now full
+        second = outgoing(Claimed(2, "order.created", "relay", {"n": 2}, 1, 5, 0, "t2"))
+        with pytest.raises(BrokerUnavailable, match="maximum messages exceeded"):
+            await target.publish([second], 5.0)
+    finally:
+        await target.close()
