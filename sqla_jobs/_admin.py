@@ -252,7 +252,7 @@ class Admin(Generic[J]):
     def cancel(self, session: Session, job_id: int) -> str:
         """Cancel a job, in the caller's transaction.
 
-        Returns ``"cancelled"`` for a pending job (it will never run) or
+        Returns ``"cancelled"`` for a pending or blocked job (it will never run) or
         ``"requested"`` for a running one: ``cancelled_at`` is recorded, and
         the worker running it tells its handler at its next heartbeat (at once
         on PostgreSQL, where the request notifies listening workers)
@@ -274,7 +274,7 @@ class Admin(Generic[J]):
             raise NotFound(self._not_found(conn, job_id))
         if not changed:
             raise JobStateError(f"job {job_id} is {state} already: there is nothing to cancel")
-        return "cancelled" if state == "pending" else "requested"
+        return "cancelled" if state in ("pending", "blocked") else "requested"
 
     def retry_now(self, session: Session, job_id: int) -> None:
         """Make a pending job (a retry in backoff, a delayed job) due now, in the caller's transaction."""

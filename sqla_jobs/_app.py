@@ -44,7 +44,9 @@ from sqlalchemy import Connection, Engine
 from ._admin import Admin
 from ._async_admin import AsyncAdmin
 from ._backoff import Backoff
-from ._models import DeadJobMixin, JobMixin, add_enqueue_check
+from ._fields import add_enqueue_check
+from ._graph import register_tables
+from ._models import DeadJobMixin, JobMixin
 from ._registry import EVENTS, Handler, JobEvent, Registry
 from .drivers import Driver, driver_for
 from .errors import ConfigError
@@ -76,6 +78,7 @@ class JobQueue(Registry, Admin[J], Generic[J, D]):
         self._drivers: dict[type[Any], Driver] = {}
         self._aio: AsyncAdmin[J] = AsyncAdmin(self)
         add_enqueue_check(job_model, self.check_job)
+        register_tables(job_model.__table__, dead_model.__table__)  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:
         return f"<JobQueue {self.job_model.__name__}/{self.dead_model.__name__} kinds={sorted(self.handlers)}>"

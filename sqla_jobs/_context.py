@@ -63,6 +63,8 @@ class JobContext:
     _fence: Any = field(default=None, repr=False)
     _progress_limit: int = field(default=MAX_PROGRESS_BYTES, repr=False)
     progress: Any = None
+    # What reads the job's graph: the worker's executor (``upstreams(job_id)``, ``upstreams_async(job_id)``).
+    _graph: Any = field(default=None, repr=False)
 
     @property
     def cancelled(self) -> threading.Event:
@@ -96,6 +98,29 @@ class JobContext:
         self.progress = json.loads(encode_value(value, self._progress_limit, "the progress value"))
         if self._progress_sink is not None:
             self._progress_sink[self._fence] = self
+
+    def upstream_results(self) -> list[Any]:
+        """What the jobs this one ``depends_on`` returned, in ``depends_on`` order (sqla_jobs._graph).
+
+        None for an upstream that returned None, one that ran anyway's failed upstream (dead-lettered or
+        cancelled), or one pruned since. One read of the database per call; from an ``async def``
+        handler, ``await upstream_results_async()`` instead."""
+        return [row.result for row in self._graph_reader().upstreams(self.id)]
+
+    async def upstream_results_async(self) -> list[Any]:
+        """``upstream_results()`` for an ``async def`` handler: the read does not block the event loop."""
+        return [row.result for row in await self._graph_reader().upstreams_async(self.id)]
+
+    def upstreams(self) -> list[Any]:
+        """The jobs this one depends on, in ``depends_on`` order: rows of (``position``, ``id``, ``state``,
+        ``result``, ``ended``); ``state`` is None for one no longer in the jobs table, ``ended`` says how a
+        failed upstream ended (dead, cancelled, purged) when this job ran anyway."""
+        return self._graph_reader().upstreams(self.id)
+
+    def _graph_reader(self) -> Any:
+        if self._graph is None:
+            raise LookupError("upstream_results() needs a job run by a sqla-jobs worker")
+        return self._graph
 
     @property
     def last_attempt(self) -> bool:

@@ -6,7 +6,7 @@ Each returns the value to store (a naive ``run_at`` becomes UTC) or raises
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import datetime, timezone
 from typing import Any
 
@@ -15,7 +15,10 @@ from ._typed import as_payload
 from ._unique import DEFAULT_UNIQUE_STATES, check_key, check_states
 from .errors import InvalidJob
 
-__all__ = ["MAX_KIND_LENGTH", "MAX_QUEUE_LENGTH", "check_row", "int_field", "text_field", "unique_fields", "utc"]
+__all__ = [
+    "MAX_KIND_LENGTH", "MAX_QUEUE_LENGTH", "add_enqueue_check", "check_row", "enqueue_checks", "int_field",
+    "text_field", "unique_fields", "utc",
+]
 
 MAX_KIND_LENGTH = 255
 MAX_QUEUE_LENGTH = 64
@@ -89,3 +92,27 @@ def int_field(name: str, value: Any, minimum: int | None = None) -> int:
     if not _INT_MIN <= value <= _INT_MAX:  # an INTEGER column: PostgreSQL would fail the flush with a DataError
         raise InvalidJob(f"Job.{name} must fit in 32 bits ({_INT_MIN} to {_INT_MAX}), got {value}")
     return value
+
+
+#: The enqueue-time checks of each model: every ``JobQueue(model, ...)`` adds its public
+#: ``check_job`` here, and the flush of a new row calls those of its class and its bases.
+#: Kept here rather than as an attribute on the user's model class.
+_ENQUEUE_CHECKS: dict[type[Any], list[Callable[[Any], None]]] = {}
+
+
+#: Each model's checks gathered along its MRO, once: the flush of every new row reads them.
+_CHECKS_BY_MODEL: dict[type[Any], tuple[Callable[[Any], None], ...]] = {}
+
+
+def add_enqueue_check(model: type[Any], check: Callable[[Any], None]) -> None:
+    """Have ``check(job)`` called for every new ``model`` row (and rows of its subclasses) before its INSERT."""
+    _ENQUEUE_CHECKS.setdefault(model, []).append(check)
+    _CHECKS_BY_MODEL.clear()  # a subclass's gathered list may now miss this check
+
+
+def enqueue_checks(model: type[Any]) -> tuple[Callable[[Any], None], ...]:
+    checks = _CHECKS_BY_MODEL.get(model)
+    if checks is None:
+        checks = _CHECKS_BY_MODEL[model] = tuple(
+            check for cls in model.__mro__ for check in _ENQUEUE_CHECKS.get(cls, ()))
+    return checks

@@ -24,6 +24,7 @@ Committed means it will run; rolled back means it never existed.
 
 A job moves through explicit states (the ``state`` column):
 
+``blocked``   waiting for the jobs it ``depends_on`` (``waiting_for`` of them) to end (``sqla_jobs._graph``)
 ``pending``   waiting for ``run_at``; ``attempts`` says how many runs it has had
 ``running``   claimed by a worker, whose lease ends at ``lease_expires_at``
 ``finished``  done; ``finished_at - locked_at`` is how long the last run took
@@ -60,7 +61,8 @@ from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validat
 from sqlalchemy.orm.attributes import instance_dict
 
 from . import _payload
-from ._fields import MAX_KIND_LENGTH, MAX_QUEUE_LENGTH, int_field, text_field, unique_fields, utc
+from ._fields import MAX_KIND_LENGTH, MAX_QUEUE_LENGTH, enqueue_checks, int_field, text_field, unique_fields, utc
+from ._graph import DependsOn, check_policy
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, PayloadType
 from ._typed import as_payload
 from ._unique import HELD_KEY_SQL, MAX_UNIQUE_KEY_LENGTH, StateSet, check_key, check_states
@@ -69,6 +71,7 @@ from .drivers import (
     GeneratedColumn,
     attach_table_events,
     column_type,
+    edge_table,
     index_dialects_for,
     partial_where,
     table_options,
@@ -77,7 +80,7 @@ from .errors import InvalidJob
 
 __all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin"]
 
-STATES = ("pending", "running", "finished", "cancelled")
+STATES = ("blocked", "pending", "running", "finished", "cancelled")
 
 # The portable column types, with each backend's own as its variant where the portable one will not do
 # (Driver.column_type: an INTEGER id on SQLite, jsonb on PostgreSQL, JSON as LONGTEXT and DATETIME(6) on
@@ -109,30 +112,6 @@ def _tz() -> Any:
 def timestamp_type() -> Any:
     """The column type of every sqla-jobs timestamp (time zone aware; microseconds on MariaDB/MySQL)."""
     return _tz()
-
-
-#: The enqueue-time checks of each model: every ``JobQueue(model, ...)`` adds its public
-#: ``check_job`` here, and the flush of a new row calls those of its class and its bases.
-#: Kept here rather than as an attribute on the user's model class.
-_ENQUEUE_CHECKS: dict[type[Any], list[Callable[[Any], None]]] = {}
-
-
-#: Each model's checks gathered along its MRO, once: the flush of every new row reads them.
-_CHECKS_BY_MODEL: dict[type[Any], tuple[Callable[[Any], None], ...]] = {}
-
-
-def add_enqueue_check(model: type[Any], check: Callable[[Any], None]) -> None:
-    """Have ``check(job)`` called for every new ``model`` row (and rows of its subclasses) before its INSERT."""
-    _ENQUEUE_CHECKS.setdefault(model, []).append(check)
-    _CHECKS_BY_MODEL.clear()  # a subclass's gathered list may now miss this check
-
-
-def _enqueue_checks(model: type[Any]) -> tuple[Callable[[Any], None], ...]:
-    checks = _CHECKS_BY_MODEL.get(model)
-    if checks is None:
-        checks = _CHECKS_BY_MODEL[model] = tuple(
-            check for cls in model.__mro__ for check in _ENQUEUE_CHECKS.get(cls, ()))
-    return checks
 
 
 class _Common:
@@ -261,10 +240,23 @@ class JobMixin(_Common):
     result: Mapped[Any] = mapped_column(_JSON, nullable=True, server_default=_NULL)
     #: The last value the handler gave ``current_job().set_progress(...)``, written about once a second.
     progress: Mapped[Any] = mapped_column(_JSON, nullable=True, server_default=_NULL)
+    #: How many of the jobs it depends on have not ended yet; it is ``blocked`` until none (``sqla_jobs._graph``).
+    waiting_for: Mapped[int] = mapped_column(Integer, server_default="0")
+    #: Some job depends on this one: its end is passed on to them in the transaction that records it.
+    has_dependents: Mapped[bool] = mapped_column(Boolean, server_default=text("false"))
+    #: When an upstream is dead-lettered or cancelled: ``cancel`` (None: the default), ``run`` or ``wait``.
+    on_upstream_failure: Mapped[str | None] = mapped_column(String(8), server_default=_NULL)
+
+    #: The jobs this one waits for (objects or ids), set before its first flush (``sqla_jobs._graph``).
+    depends_on: ClassVar[DependsOn] = DependsOn()
 
     @validates("run_at")
     def _check_run_at(self, key: str, value: Any) -> datetime | None:
         return utc(key, value)
+
+    @validates("on_upstream_failure")
+    def _check_on_upstream_failure(self, key: str, value: Any) -> str | None:
+        return check_policy(value)
 
     @validates("unique_states")
     def _check_unique_states(self, key: str, value: Any) -> tuple[str, ...] | None:
@@ -382,7 +374,7 @@ def _check_before_insert(mapper: Mapper[Any], connection: Any, target: Any) -> N
     # Checked again, as the dict may have been changed in place since it was set;
     # the text is kept for the INSERT, so this is the job's only encoding.
     _payload.remember(target, payload, _payload.encode(payload, type(target).max_payload_bytes))
-    for check in _enqueue_checks(type(target)):
+    for check in enqueue_checks(type(target)):
         check(target)
 
 
@@ -395,3 +387,4 @@ def _add_notify_trigger(mapper: Mapper[Any], cls: type[JobMixin]) -> None:
     by polling, only later.
     """
     attach_table_events(cls.__table__)  # type: ignore[attr-defined]
+    edge_table(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_deps, in the same metadata (sqla_jobs._graph)

@@ -317,6 +317,23 @@ def answer(payload: dict[str, Any]) -> Any:
     return payload.get("value")
 
 
+@queue.handler("join")
+def join(payload: dict[str, Any]) -> Any:
+    """A job graph's join: records its start, returns what its upstreams returned (sqla_jobs._graph)."""
+    record("start")
+    results = current_job().upstream_results()
+    record("finish")
+    return {"upstreams": results}
+
+
+@queue.handler("async_join")
+async def async_join(payload: dict[str, Any]) -> Any:
+    await arecord("start")
+    results = await current_job().upstream_results_async()
+    await arecord("finish")
+    return {"upstreams": results}
+
+
 @queue.handler("result_async")
 async def answer_async(payload: dict[str, Any]) -> Any:
     return {"async": payload.get("value")}

@@ -372,25 +372,29 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
 
     refused = project.sqla_jobs("worker", "--app", "jobmodels:queue", "--burst", check=False)
     assert refused.returncode == 2
-    assert "lacks column(s) cancelled_at, errors, isolate, progress, result, unique_held, unique_key, unique_states" \
-        in refused.stderr
+    assert ("lacks column(s) cancelled_at, errors, has_dependents, isolate, on_upstream_failure, progress, result, "
+            "unique_held, unique_key, unique_states, waiting_for") in refused.stderr
     assert "sqla-jobs migrations render" in refused.stderr
 
     out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_partial_db.url).stdout
     [revision] = project.revisions()
     source = revision.read_text()
-    # Exactly the difference: ten columns, four new indexes, the claim index rebuilt in its new column
-    # order, and on PostgreSQL the NOTIFY trigger; nothing created or dropped besides.
+    # Exactly the difference: thirteen columns, the dependencies' table and its index, four new indexes, the
+    # claim index rebuilt in its new column order, and on PostgreSQL the NOTIFY trigger; nothing else.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
     # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
-    expected = sorted(["add_column"] * 10 + ["create_index"] * 5 + ["drop_index"] + ["get_bind"] + trigger)
+    expected = sorted(["add_column"] * 13 + ["create_table"] + ["create_index"] * 6 + ["drop_index"] + ["get_bind"]
+                      + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
         ("app_dead_tasks", "errors"), ("app_dead_tasks", "unique_key"), ("app_tasks", "cancelled_at"),
-        ("app_tasks", "errors"), ("app_tasks", "isolate"), ("app_tasks", "progress"), ("app_tasks", "result"),
+        ("app_tasks", "errors"), ("app_tasks", "has_dependents"), ("app_tasks", "isolate"),
+        ("app_tasks", "on_upstream_failure"), ("app_tasks", "progress"), ("app_tasks", "result"),
         ("app_tasks", "unique_held"), ("app_tasks", "unique_key"), ("app_tasks", "unique_states"),
+        ("app_tasks", "waiting_for"),
     ]
+    assert "op.create_table('app_tasks_deps'" in upgrade  # job graphs (sqla_jobs._graph)
     # NOT NULL with a server default, so the rows already there get false and the upgrade needs no data step.
     isolate = r"sa\.Column\('isolate', sa\.Boolean\(\), server_default=sa\.text\('\(?false\)?'\), nullable=False\)"
     assert re.search(isolate, upgrade), upgrade

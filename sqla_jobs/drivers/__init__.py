@@ -58,6 +58,7 @@ from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
+from ._graph import FAILURE_POLICIES, edge_table
 from ._setup import GeneratedColumn
 from .base import DatabaseNow, Driver
 from .mysql import JSONText, MySQLDriver
@@ -65,6 +66,7 @@ from .postgresql.driver import PostgreSQLDriver
 from .sqlite import SQLiteDriver
 
 __all__ = [
+    "FAILURE_POLICIES",
     "DatabaseNow",
     "Driver",
     "GeneratedColumn",
@@ -74,6 +76,7 @@ __all__ = [
     "driver_class",
     "driver_class_of",
     "driver_for",
+    "edge_table",
     "index_dialects_for",
     "migration_guard",
     "migration_imports",

@@ -10,6 +10,9 @@ acts it asks for, each fenced by the claim token:
   ``cancelled`` when a cancel was requested), with an error entry or not, the
   attempt refunded or not, marked to run alone or not;
 * ``dead_letter``: the job moves to the dead-letter table;
+* each of them passes the job's end on to the jobs that depend on it, in the same transaction
+  (``drivers/_graph.py``: a finish counts them down, a dead letter or a cancel applies their
+  ``on_upstream_failure``);
 * ``expired`` / ``held_by``: runs whose runner is gone (lease out, process dead);
 * ``cancel_requested``, ``finished_under``, ``errors_of``: what the policy reads
   before deciding (a cancel request, a commit whose reply was lost, refunds so far).
@@ -43,15 +46,26 @@ class Endings:
         def later(self, seconds: float) -> ColumnElement[datetime]: ...
         def notify(self, conn: Connection) -> None: ...
         def skip_locked(self, stmt: Select[Any]) -> Select[Any]: ...
+        def unblock(self, conn: Connection, finished: Sequence[int]) -> int: ...
+        def pass_on_failure(self, conn: Connection, upstreams: Sequence[int], ended: str) -> None: ...
+        def with_dependents(self, conn: Connection, ids: Sequence[int], states: Sequence[str]) -> list[int]: ...
 
     def finish(self, conn: Connection, fences: Sequence[Fence]) -> set[int]:
-        """Mark jobs finished (with ``discard_finished``: delete them); returns the ids that were still ours."""
+        """Mark jobs finished (with ``discard_finished``: delete them); returns the ids that were still ours.
+
+        A finished job that others depend on counts down its dependents in the same statement's
+        transaction (``Graph.unblock``): the caller's transaction must be a real one, never autocommit.
+        """
         if not fences:
             return set()
         t = self.jobs
         stmt = (delete(t).where(self.fenced(fences)) if self.discard_finished else update(t).where(
             self.fenced(fences)).values(state="finished", finished_at=self.now(), lease_expires_at=None))
-        return set(conn.execute(stmt.returning(t.c.id)).scalars())
+        rows = conn.execute(stmt.returning(t.c.id, t.c.has_dependents)).all()
+        upstreams = [r.id for r in rows if r.has_dependents]
+        if upstreams:
+            self.unblock(conn, upstreams)
+        return {r.id for r in rows}
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         """The ``errors`` column with ``entry`` appended, as an expression for an UPDATE."""
@@ -97,7 +111,12 @@ class Endings:
             values["last_error"] = message
             values["errors"] = self.errors_plus({"attempt": attempt, "at": utcnow(), "error": message})
         stmt = update(t).where(self.fenced([fence])).values(**values)
-        return conn.execute(stmt).rowcount == 1
+        if conn.execute(stmt).rowcount != 1:
+            return False
+        # Cancelled (asked for now, or requested during the run): its dependents hear of it in this transaction.
+        if self.with_dependents(conn, [fence[0]], ["cancelled"]):
+            self.pass_on_failure(conn, [fence[0]], "cancelled")
+        return True
 
     def release_many(self, conn: Connection, fences: Sequence[Fence], *, refund: bool = False,
                      isolate: bool | None = False) -> int:
@@ -128,6 +147,8 @@ class Endings:
                 **{c: getattr(row, c) for c in DEAD_COLUMNS}, last_error=message, errors=errors, failed_at=self.now()
             )
         )
+        if row.has_dependents:
+            self.pass_on_failure(conn, [row.id], "dead")
         return True
 
     def expired(self, conn: Connection, limit: int = 100, settle: float = 0.0) -> list[Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Select, Table, and_, delete, func, insert, inspect, select, update
 from sqlalchemy.sql.elements import ColumnElement
@@ -55,6 +55,13 @@ class Operations:
     jobs: Table
     dead: Table
 
+    if TYPE_CHECKING:  # Graph's (declared here for the type checker only: a stub here would win the MRO)
+        @property
+        def edges(self) -> Table: ...
+        def with_dependents(self, conn: Connection, ids: Sequence[int], states: Sequence[str]) -> list[int]: ...
+        def pass_on_failure(self, conn: Connection, upstreams: Sequence[int], ended: str) -> None: ...
+        def mark_upstreams(self, conn: Connection, ids: Sequence[int]) -> None: ...
+
     def now(self) -> ColumnElement[datetime]:
         raise NotImplementedError
 
@@ -76,7 +83,7 @@ class Operations:
     def check_schema(self, conn: Connection) -> None:
         """Raise SchemaError naming what is missing, before a worker touches the tables."""
         inspector = inspect(conn)
-        for table in (self.jobs, self.dead):
+        for table in (self.jobs, self.dead, self.edges):
             if not inspector.has_table(table.name, schema=table.schema):
                 raise SchemaError(
                     f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: "
@@ -136,6 +143,7 @@ class Operations:
                 for r in rows
             ],
         )
+        self.mark_upstreams(conn, [r.id for r in rows])  # the dead table keeps no has_dependents
         return sorted(r.id for r in rows)
 
     # -- stats (sqla_jobs._stats) ---------------------------------------------------
@@ -278,13 +286,16 @@ class Operations:
         """
         t = self.jobs
         now = self.now()
-        stmt = (
-            update(t)
-            .where(t.c.id == job_id, t.c.state == "pending")
-            .values(state="cancelled", cancelled_at=now, finished_at=now, lease_expires_at=None)
-        )
-        if conn.execute(stmt).rowcount == 1:
-            return True, "pending"
+        for waiting in ("pending", "blocked"):
+            stmt = (
+                update(t)
+                .where(t.c.id == job_id, t.c.state == waiting)
+                .values(state="cancelled", cancelled_at=now, finished_at=now, lease_expires_at=None)
+            )
+            if conn.execute(stmt).rowcount == 1:
+                if self.with_dependents(conn, [job_id], ["cancelled"]):
+                    self.pass_on_failure(conn, [job_id], "cancelled")
+                return True, waiting
         stmt = (
             update(t)
             .where(t.c.id == job_id, t.c.state == "running")
@@ -322,10 +333,14 @@ class Operations:
     def purge_dead(self, conn: Connection, older_than: float, kind: str | None = None) -> int:
         """Delete dead jobs that failed more than ``older_than`` seconds ago."""
         d = self.dead
-        stmt = delete(d).where(d.c.failed_at < self.ago(older_than))
+        old = select(d.c.id).where(d.c.failed_at < self.ago(older_than))
         if kind is not None:
-            stmt = stmt.where(d.c.kind == kind)
-        return conn.execute(stmt).rowcount
+            old = old.where(d.c.kind == kind)
+        ids = list(conn.scalars(old))
+        for start in range(0, len(ids), 1000):
+            conn.execute(delete(d).where(d.c.id.in_(ids[start:start + 1000])))
+        self.pass_on_failure(conn, ids, "purged")  # a dependent waiting for one (on_upstream_failure="wait")
+        return len(ids)
 
     # -- pruning ---------------------------------------------------------------------
 

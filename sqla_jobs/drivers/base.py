@@ -40,6 +40,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import DEAD_COLUMNS, AsyncListener, Claimed, Fence, Listener
 from ._endings import Endings
+from ._graph import Graph
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate
 from ._percentile import percentile, run_times_in_python
 from ._results import Flow
@@ -65,7 +66,7 @@ __all__ = [
     "truncate",
 ]
 
-class Driver(Setup, Operations, Uniqueness, Flow, Endings):
+class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
@@ -184,7 +185,7 @@ class Driver(Setup, Operations, Uniqueness, Flow, Endings):
         Tables made by an older sqla-jobs get the indexes added since; their
         columns are left alone (that takes a migration).
         """
-        for table in (self.jobs, self.dead):
+        for table in (self.jobs, self.dead, self.edges):
             table.create(conn, checkfirst=True)
             for index in self.creatable_indexes(conn, table):
                 conn.execute(CreateIndex(index, if_not_exists=True))

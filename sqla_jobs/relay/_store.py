@@ -83,6 +83,7 @@ class RelayStore(Store):
             if raise_error:
                 raise
             return  # the claim's error is the one raised; the outcomes stay unwritten for the retry
+        kept = self.finish_declined(ok, kept)
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")

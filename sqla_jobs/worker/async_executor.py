@@ -74,6 +74,10 @@ class AsyncExecutor(Executor):
         self._idle_lock = threading.Lock()
         self._tasks: set[asyncio.Task[Outcome]] = set()  # a strong reference: the loop keeps only weak ones
 
+    async def upstreams_async(self, job_id: int) -> list[Any]:
+        async with self.async_engine.connect() as conn:
+            return await conn.run_sync(lambda sync: self.driver.upstreams(sync, job_id))
+
     def start(self) -> None:
         """Nothing to start: a task is made per run."""
 

@@ -92,10 +92,8 @@ class Control:
         # is claimed, and whether a claim left such a job, so the worker drains to claim it alone.
         self._isolated: Fence | None = None
         self._isolation_wanted = False
-        self._next_prune = 0.0
-        self._next_upkeep = 0.0
+        self._next_prune = self._next_upkeep = self._next_progress = 0.0
         self.guard = LeaseGuard(executor, config.lease, config.worker_name, store.driver.self_fencing)
-        self._next_progress = 0.0
         # Per-queue slots: when each queue found empty may be asked again (monotonic time).
         self._empty_until: dict[str, float] = {}
         self.notified = False  # set by the database listener: new jobs, so every queue is worth asking
@@ -104,7 +102,7 @@ class Control:
         # It skips the limited kinds' pending jobs one by one, so with a backlog of those each try walks
         # the whole backlog: repeated on every claim, that walk was most of a limited drain's time.
         self._others_idle_until = 0.0
-        self._burst = False
+        self._burst = self._wrote = False  # _wrote: the last exchange wrote outcomes (what it unblocked waits)
         # Also set by the listener: a cancel request may have come (PostgreSQL's cancel notifies).
         self.cancel_check = False
         self._next_cancel_check = 0.0
@@ -181,7 +179,7 @@ class Control:
                     self._hand_back_unfinished()
                     return
             elif (burst and ex.accepting and not ex.live_count and not self._unwritten and not ex.has_outcomes()
-                  and db_failures == 0):
+                  and db_failures == 0 and not self._wrote):  # after a write, one more look: what it unblocked
                 return
             timeout = min(self.config.poll_interval, max(0.0, next_heartbeat - time.monotonic()))
             if self._unwritten_since is not None:
@@ -264,6 +262,7 @@ class Control:
         """
         ex = self.executor
         ok: list[Outcome] = []
+        self._wrote = write and bool(self._unwritten)
         if write:
             valued: list[Outcome] = []
             rare: list[Outcome] = []

@@ -102,7 +102,7 @@ class Executor:
         fence = job.fence
         # Positional: this runs per job, and keyword arguments cost more (fields as in JobContext).
         ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.worker_name,
-                         None, None, False, self.progress, fence, self._progress_limit)
+                         None, None, False, self.progress, fence, self._progress_limit, None, self)
         run = Run(job, handler, ctx, now, now + timeout if timeout else None)
         self.running[fence] = run
         if self._count_queues:
@@ -111,6 +111,14 @@ class Executor:
             self._timed += 1
         self._dispatch(run)
         return run
+
+    def upstreams(self, job_id: int) -> list[Any]:
+        """A job's upstreams (``current_job().upstreams()``, ``upstream_results()``): one read."""
+        with self.engine.connect() as conn:
+            return self.driver.upstreams(conn, job_id)
+
+    async def upstreams_async(self, job_id: int) -> list[Any]:
+        return await asyncio.to_thread(self.upstreams, job_id)
 
     def _dispatch(self, run: Run) -> None:
         """Hand the run to a handler thread (the async executor starts a task instead)."""

@@ -193,10 +193,21 @@ class Store:
                     )
                     short = len(others) < wanted
                     jobs, waiting = jobs + others, waiting or others_waiting
+        kept = self.finish_declined(ok, kept)
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
         return jobs, waiting, short
+
+    def finish_declined(self, ok: list[Outcome], kept: set[int]) -> set[int]:
+        """``kept`` plus those of ``ok`` a one-statement finish left (PostgreSQL's hot statement leaves a job
+        that others depend on: see ``_PG_FINISH_AND_CLAIM``), finished now with their dependents counted down
+        in one transaction. A run that was really lost is not ours here either and stays out."""
+        declined = [o.job.fence for o in ok if o.job.id not in kept]
+        if not declined:
+            return kept
+        with self.driver.write(self.engine) as conn:
+            return kept | self.driver.finish(conn, declined)
 
     def _capped(self, fences: list[Fence], limit: int, token: str, alone: bool, queues: Sequence[str] | None,
                 plain: bool) -> tuple[set[int], list[Claimed], bool, bool] | None:

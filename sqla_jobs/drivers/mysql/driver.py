@@ -234,12 +234,15 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
     def finish(self, conn: Connection, fences: Sequence[Fence]) -> set[int]:
         if not fences:
             return set()
-        held = self._lock_fenced(conn, fences)
+        t = self.jobs
+        held = self._lock_fenced(conn, fences, t.c.id, t.c.claim_token, t.c.has_dependents)
         if held:
-            t = self.jobs
             mine = t.c.id.in_([r.id for r in held])
             conn.execute(delete(t).where(mine) if self.discard_finished else update(t).where(mine).values(
                 state="finished", finished_at=self.now(), lease_expires_at=None))
+            upstreams = [r.id for r in held if r.has_dependents]
+            if upstreams:
+                self.unblock(conn, upstreams)
         return {r.id for r in held}
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
@@ -266,6 +269,8 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
                 **{c: getattr(row, c) for c in DEAD_COLUMNS}, last_error=message, errors=errors, failed_at=self.now()
             )
         )
+        if row.has_dependents:
+            self.pass_on_failure(conn, [row.id], "dead")
         return True
 
     def requeue_dead(
@@ -293,6 +298,7 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
                 for r in rows
             ],
         )
+        self.mark_upstreams(conn, [r.id for r in rows])  # the dead table keeps no has_dependents
         return sorted(r.id for r in rows)
 
     def prune_batch(self, conn: Connection, older_than: float, limit: int) -> int:

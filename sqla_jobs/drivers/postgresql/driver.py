@@ -69,7 +69,10 @@ __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_t
 # jobs marked `isolate` (their worker was lost while they ran): an idle worker
 # (`alone`) takes the most urgent of those and nothing else; a busy one leaves
 # them and learns of them from the rows with `claimed` NULL. A worker that keeps no finished
-# jobs (Driver.discarding_finished) deletes them in `done` instead.
+# jobs (Driver.discarding_finished) deletes them in `done` instead. `done` leaves a job that others
+# depend on (`has_dependents`): its finish must count its dependents down in the same transaction, which
+# this statement cannot do (its snapshot predates a dependent added while it waited for the row), so the
+# worker finishes it with Driver.finish in a transaction of its own (Store.finish_declined).
 _PG_FINISH = {
     False: "UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL\n    FROM",
     True: "DELETE FROM {table} AS j USING",
@@ -80,7 +83,7 @@ WITH done AS (
         SELECT split_part(pair, ':', 1)::bigint AS id, split_part(pair, ':', 2) AS token
         FROM unnest(string_to_array(%(fences)s, ',')) AS pair
     ) AS f
-    WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running'
+    WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running' AND NOT j.has_dependents
     RETURNING j.id
 ), due AS MATERIALIZED (
     SELECT id, isolate, priority, run_at FROM {live}

@@ -4,6 +4,7 @@ The jobs table is declared ``PARTITION BY LIST (state)``, with two partitions:
 
 ``<table>_live``   pending and running jobs: what the claim, the reaper and the
                    heartbeat read and write; small, whatever the history holds
+``<table>_blocked``  jobs waiting for the jobs they depend on (``sqla_jobs._graph``)
 ``<table>_done``   finished and cancelled jobs, itself ``PARTITION BY RANGE
                    (finished_at)``: one partition per UTC day
                    (``<table>_done_YYYYMMDD``) and a DEFAULT one for rows no day
@@ -50,6 +51,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.schema import CreateColumn, CreateIndex
 
+from ...errors import SchemaError
 from .._unique import Uniqueness
 from ..base import Driver
 from .notify import pg_name
@@ -59,6 +61,7 @@ __all__ = [
     "LIVE_STATES",
     "PartitionedMode",
     "as_the_model_has_them",
+    "blocked_name",
     "create_statements",
     "day_partitions",
     "done_name",
@@ -96,6 +99,14 @@ def done_name(table: Table) -> str:
     return _sibling(table, "_done")
 
 
+def blocked_name(table: Table) -> str:  # jobs waiting for their upstreams (sqla_jobs._graph), out of `_live`
+    return _sibling(table, "_blocked")
+
+
+def _blocked_partition(table: Table) -> str:
+    return f"CREATE TABLE {blocked_name(table)} PARTITION OF {pg_name(table)} FOR VALUES IN ('blocked')"
+
+
 def _day_suffix(day: date) -> str:
     return f"_done_{day:%Y%m%d}"
 
@@ -111,6 +122,7 @@ def create_statements(table: Table, days_ahead: int = DAYS_AHEAD, today: date | 
     statements = [
         f"CREATE TABLE {pg_name(table)} (\n    {columns}\n) PARTITION BY LIST (state)",
         f"CREATE TABLE {live_name(table)} PARTITION OF {pg_name(table)} FOR VALUES IN ('pending', 'running')",
+        _blocked_partition(table),
         f"CREATE TABLE {done_name(table)} PARTITION OF {pg_name(table)} FOR VALUES IN ('finished', 'cancelled') "
         "PARTITION BY RANGE (finished_at)",
         f"CREATE TABLE {_sibling(table, '_done_default')} PARTITION OF {done_name(table)} DEFAULT",
@@ -307,8 +319,7 @@ def size_report(conn: Connection, table: Table) -> dict[str, int]:
             "live_table_bytes": int(live[0]), "live_total_bytes": int(live[1])}
 
 
-#: Tries of an admin write that lost a race with a row's move to another partition.
-_MOVE_RETRIES = 5
+_MOVE_RETRIES = 5  # tries of an admin write that lost a race with a row's move to another partition
 
 
 class PartitionedMode(Driver):
@@ -319,7 +330,20 @@ class PartitionedMode(Driver):
             for statement in create_statements(self.jobs):
                 conn.execute(text(statement))
             forget(conn, self.jobs)
+        elif is_partitioned(conn, self.jobs) and not self._has_blocked_partition(conn):
+            conn.execute(text(_blocked_partition(self.jobs)))  # made before job graphs (sqla_jobs._graph)
         self.create(conn)  # the dead-letter table and the trigger; the jobs table's indexes exist by name
+
+    def _has_blocked_partition(self, conn: Connection) -> bool:
+        return conn.scalar(text("SELECT to_regclass(:name)"), {"name": blocked_name(self.jobs)}) is not None
+
+    def check_schema(self, conn: Connection) -> None:
+        super().check_schema(conn)
+        if is_partitioned(conn, self.jobs) and not self._has_blocked_partition(conn):
+            raise SchemaError(
+                f"partitioned table {self.jobs.fullname!r} has no partition for blocked jobs (job graphs, added "
+                "after it was made): run `sqla-jobs create-tables --partitioned --app ...`, or this in a "
+                f"migration: {_blocked_partition(self.jobs)}")
 
     def cancel(self, conn: Connection, job_id: int) -> tuple[bool, str | None]:
         """``Driver.cancel``, retried when the job moved partition under it (its run finished meanwhile).
@@ -357,7 +381,7 @@ class PartitionedMode(Driver):
     def layout_table(cls, table_name: str, name: str) -> bool:
         prefix = f"{table_name}_done_"
         rest = name[len(prefix):] if name.startswith(prefix) else ""
-        return name in (f"{table_name}_live", f"{table_name}_done") or rest == "default" or (
+        return name in (f"{table_name}_live", f"{table_name}_done", f"{table_name}_blocked") or rest == "default" or (
             len(rest) == 8 and rest.isdigit())
 
     def creatable_indexes(self, conn: Connection, table: Table) -> list[Any]:

@@ -1,0 +1,247 @@
+"""Job graphs: a job that waits for others, added in the caller's session like any job.
+
+Give a job the jobs it waits for, as objects (before or after they are flushed)
+or as ids of jobs already in the table::
+
+    with Session(engine) as session, session.begin():
+        pages = [Job(kind="render_page", payload={"page": i}) for i in range(40)]
+        merge = Job(kind="merge_pdf", payload={}, depends_on=pages)
+        mail = Job(kind="send_pdf", payload={}, depends_on=[merge])
+        session.add_all([*pages, merge, mail])
+
+``merge`` is ``blocked`` until every page has finished; the transaction that
+finishes the last page makes it ``pending`` (and wakes a listening worker), so
+no sweeper polls for it and no crash can lose the hand-off: the count goes
+down with the finish or not at all. Its handler reads what the pages
+returned, in ``depends_on`` order, with ``current_job().upstream_results()``.
+
+When an upstream is dead-lettered or cancelled, a blocked dependent does what
+its ``on_upstream_failure`` says:
+
+``"cancel"`` (the default)  it is cancelled, with the upstream named in ``last_error``,
+                            and so are its own dependents, down the graph
+``"run"``                   the upstream counts as done; its result reads as None
+``"wait"``                  it stays blocked: requeueing the dead upstream resumes the graph
+                            (a cancelled upstream, or a dead one purged, cancels it)
+
+Checked at flush, in the caller's transaction, so a bad graph fails before
+anything is written: a job that depends on itself or on a cycle of new jobs,
+on a job of another jobs table, on a job in the dead letters, on an id that
+is not in the table, or on a cancelled job (unless it runs anyway) raises
+``InvalidJob`` naming the problem. The jobs a new job depends on are locked
+for the rest of the transaction (a worker finishing one waits for the commit),
+which is what makes adding a dependent race-free. ``depends_on`` is set once,
+before the job's first flush.
+
+The dependencies live in a third table beside the jobs table,
+``<jobs table>_deps``, which ``JobMixin`` adds to your metadata.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from sqlalchemy import Connection, Table, event
+from sqlalchemy import inspect as sa_inspect
+from sqlalchemy.orm import Session, UOWTransaction
+
+from .drivers import FAILURE_POLICIES, Driver, driver_for, edge_table
+from .errors import InvalidJob
+
+__all__ = ["DependsOn", "check_policy", "register_tables"]
+
+#: Each jobs table's dead-letter table, as the ``JobQueue`` that pairs them said (for the flush's checks).
+_DEAD: weakref.WeakKeyDictionary[Table, Table] = weakref.WeakKeyDictionary()
+#: Jobs given ``depends_on`` and not flushed yet: a flush looks only at these, not at every new object.
+_UNFLUSHED: weakref.WeakSet[Any] = weakref.WeakSet()
+_DRIVERS: dict[tuple[type, Table], Driver] = {}
+_ATTRIBUTE = "_sqla_jobs_depends_on"
+_INFO_KEY = "sqla_jobs_graph"
+
+
+def register_tables(jobs: Table, dead: Table) -> None:
+    """Called by ``JobQueue``: ``jobs``' dead letters are in ``dead``; ``jobs`` gets its edge table."""
+    _DEAD[jobs] = dead
+    edge_table(jobs)
+
+
+def check_policy(value: Any) -> str | None:
+    if value is not None and value not in FAILURE_POLICIES:
+        raise InvalidJob(f"Job.on_upstream_failure must be one of {', '.join(map(repr, FAILURE_POLICIES))} "
+                         f"(or None: 'cancel'), got {value!r}")
+    return value  # type: ignore[no-any-return]
+
+
+class DependsOn:
+    """The ``depends_on`` attribute of a job model: the jobs it waits for (objects or ids), set before its
+    first flush; reads back as the tuple given (empty: none)."""
+
+    def __get__(self, job: Any, owner: type | None = None) -> Any:
+        if job is None:
+            return self
+        return job.__dict__.get(_ATTRIBUTE, ())
+
+    def __set__(self, job: Any, value: Any) -> None:
+        if sa_inspect(job).has_identity:
+            raise InvalidJob(f"job {job.id}: depends_on is set before the job is first flushed")
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            raise InvalidJob(f"Job.depends_on must be a list of jobs or job ids, got {value!r}")
+        upstreams = tuple(value)
+        for upstream in upstreams:
+            if isinstance(upstream, bool) or not (isinstance(upstream, int) or _is_job(upstream)):
+                raise InvalidJob(f"Job.depends_on holds jobs (objects of a JobMixin model) or their ids, "
+                                 f"got {upstream!r}")
+            if upstream is job:
+                raise InvalidJob("a job cannot depend on itself")
+        job.__dict__[_ATTRIBUTE] = upstreams
+        if upstreams:
+            _UNFLUSHED.add(job)
+        else:
+            _UNFLUSHED.discard(job)
+
+
+def _is_job(value: Any) -> bool:
+    """An object of a job model (JobMixin's models import this module: known by their ``depends_on``)."""
+    return isinstance(getattr(type(value), "depends_on", None), DependsOn)
+
+
+def _driver(conn: Connection, jobs: Table) -> Driver:
+    key = (type(conn.dialect), jobs)
+    driver = _DRIVERS.get(key)
+    if driver is None:
+        driver = _DRIVERS[key] = driver_for(conn, jobs, _DEAD.get(jobs, jobs))
+    return driver
+
+
+@event.listens_for(Session, "before_flush")
+def _before_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
+    """Check the new dependents of this flush and set their state and count before their INSERT."""
+    if not _UNFLUSHED:
+        return
+    mine = [job for job in list(_UNFLUSHED)
+            if (state := sa_inspect(job)).session_id == session.hash_key and state.pending]
+    if not mine:
+        return
+    # An upstream given only as an object comes with its dependent, and so do its own upstreams.
+    todo, seen = list(mine), {id(job) for job in mine}
+    while todo:
+        for upstream in todo.pop().depends_on:
+            if not isinstance(upstream, int) and id(upstream) not in seen:
+                seen.add(id(upstream))
+                if sa_inspect(upstream).transient:
+                    session.add(upstream)
+                    if upstream.depends_on:
+                        mine.append(upstream)
+                todo.append(upstream)
+    _check_cycles(mine)
+    by_table: dict[Table, list[Any]] = {}
+    for job in mine:
+        by_table.setdefault(type(job).__table__, []).append(job)
+    conn = session.connection()
+    for jobs, members in by_table.items():
+        _prepare(conn, jobs, members)
+    flush_context.attributes[_INFO_KEY] = mine
+
+
+def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
+    existing: set[int] = set()
+    for job in dependents:
+        if job.unique_key is not None:
+            raise InvalidJob(f"job {job.kind!r}: a job with depends_on cannot have a unique_key yet "
+                             "(its key would not be held while it is blocked); put the key on an upstream")
+        for upstream in job.depends_on:
+            if isinstance(upstream, int):
+                existing.add(upstream)
+                continue
+            if type(upstream).__table__ is not jobs:
+                raise InvalidJob(f"job {job.kind!r} depends on a job of table {type(upstream).__table__.name!r}, "
+                                 f"not {jobs.name!r}: a dependency stays within one jobs table")
+            if sa_inspect(upstream).has_identity:
+                existing.add(upstream.id)
+    driver = _driver(conn, jobs)
+    states = driver.lock_upstreams(conn, sorted(existing)) if existing else {}
+    missing = existing - states.keys()
+    if missing:
+        dead = driver.dead_ids(conn, _DEAD[jobs], sorted(missing)) if jobs in _DEAD else set()
+        first = min(missing)
+        if first in dead:
+            raise InvalidJob(f"a new job depends on job {first}, which is in the dead letters: requeue it first "
+                             "(`sqla-jobs dead requeue`), then add the dependent")
+        raise InvalidJob(f"a new job depends on job {first}, which is not in table {jobs.name!r} "
+                         "(never added, or pruned)")
+    for job in dependents:
+        waiting = 0
+        for upstream in _distinct(job.depends_on):
+            state = _state_of(upstream, states)
+            if state == "cancelled" and job.on_upstream_failure != "run":
+                raise InvalidJob(f"a new job depends on job {_id_of(upstream)}, which was cancelled and will never "
+                                 "finish (give the dependent on_upstream_failure='run' to run it anyway)")
+            if state not in ("finished", "cancelled"):
+                waiting += 1
+            if not isinstance(upstream, int) and not sa_inspect(upstream).has_identity:
+                upstream.has_dependents = True
+        if waiting:
+            job.state, job.waiting_for = "blocked", waiting
+
+
+def _distinct(upstreams: Iterable[Any]) -> list[Any]:
+    """Each upstream once, in first-given order: a job and its id, or a job given twice, are one dependency."""
+    seen: set[Any] = set()
+    kept = []
+    for upstream in upstreams:
+        key = upstream if isinstance(upstream, int) else (
+            upstream.id if sa_inspect(upstream).has_identity else ("new", id(upstream)))
+        if key not in seen:
+            seen.add(key)
+            kept.append(upstream)
+    return kept
+
+
+def _state_of(upstream: Any, states: dict[int, str]) -> str:
+    if isinstance(upstream, int):
+        return states[upstream]
+    if sa_inspect(upstream).has_identity:
+        return states[upstream.id]
+    return "pending"  # new in this flush
+
+
+def _id_of(upstream: Any) -> Any:
+    return upstream if isinstance(upstream, int) else upstream.id
+
+
+def _check_cycles(dependents: Sequence[Any]) -> None:
+    """A cycle can only run through new jobs (an existing job's upstreams are fixed): walk theirs."""
+    done: set[int] = set()
+
+    def visit(job: Any, path: list[Any]) -> None:
+        if id(job) in done:
+            return
+        if any(j is job for j in path):
+            names = " -> ".join(repr(j.kind) for j in [*path[path.index(job):], job])
+            raise InvalidJob(f"the new jobs' depends_on make a cycle: {names}")
+        for upstream in job.depends_on:
+            if not isinstance(upstream, int) and not sa_inspect(upstream).has_identity:
+                visit(upstream, [*path, job])
+        done.add(id(job))
+
+    for job in dependents:
+        visit(job, [])
+
+
+@event.listens_for(Session, "after_flush")
+def _after_flush(session: Session, flush_context: UOWTransaction) -> None:
+    """The new dependents have ids now: write their edges, in the same transaction."""
+    mine = flush_context.attributes.get(_INFO_KEY)
+    if not mine:
+        return
+    conn = session.connection()
+    by_table: dict[Table, list[dict[str, Any]]] = {}
+    for job in mine:
+        rows = by_table.setdefault(type(job).__table__, [])
+        rows.extend({"downstream_id": job.id, "position": position, "upstream_id": _id_of(upstream)}
+                    for position, upstream in enumerate(_distinct(job.depends_on)))
+        _UNFLUSHED.discard(job)
+    for jobs, rows in by_table.items():
+        _driver(conn, jobs).add_edges(conn, rows)

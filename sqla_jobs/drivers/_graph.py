@@ -1,0 +1,265 @@
+"""Job graphs' statements: the edge table, passing an upstream's end on to its dependents (mixed into ``Driver``).
+
+A dependency is a row of ``<jobs>_deps`` (``downstream_id``, ``position``,
+``upstream_id``); a job with upstreams that have not ended is ``blocked`` and
+counts them in ``waiting_for``; a job some other job depends on has
+``has_dependents`` set. What an upstream's end *means* for its dependents is
+the outcome policy's (``sqla_jobs/worker/outcomes.py``, ``on_upstream_end``);
+these are the acts, each in the caller's transaction, so the hand-off commits
+with the end that caused it or not at all:
+
+* ``unblock``: upstreams finished: each dependent's count goes down by its edges
+  from them, and a dependent whose count reaches 0 becomes ``pending`` (and the
+  workers are woken);
+* ``blocked_dependents`` / ``cancel_dependents`` / ``count_as_done``: an upstream
+  was dead-lettered, cancelled or purged, and its dependents are cancelled, run
+  anyway, or left waiting;
+* ``lock_upstreams`` / ``add_edges``: a new dependent's flush (``sqla_jobs._graph``).
+
+An edge whose upstream's failure was already passed on is marked (``ended``), so a
+requeued upstream that later finishes never counts twice for the same dependent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import (
+    Column,
+    Connection,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    and_,
+    case,
+    func,
+    insert,
+    select,
+    update,
+)
+from sqlalchemy.sql.elements import ColumnElement
+
+from ._operations import truncate
+
+__all__ = ["EDGE_SUFFIX", "FAILURE_POLICIES", "Graph", "edge_table", "on_upstream_failure"]
+
+#: The edge table is ``<jobs table>_deps``, in the jobs table's schema.
+EDGE_SUFFIX = "_deps"
+
+#: Edges per statement when a flush writes them (well under every backend's parameter limit).
+_EDGE_BATCH = 5000
+
+
+def edge_table(jobs: Table, metadata: MetaData | None = None) -> Table:
+    """``<jobs>_deps`` beside ``jobs``: made in ``jobs``' metadata the first time, the same Table after.
+
+    No foreign keys: a job leaves the jobs table for the dead letters and comes back with its id, is
+    pruned or purged, and a partitioned jobs table has no primary key to point at. The statements here
+    keep the rows consistent instead. The ids have the jobs table's id type (and its backend variants).
+    """
+    metadata = jobs.metadata if metadata is None else metadata
+    name = f"{jobs.name}{EDGE_SUFFIX}"
+    key = f"{jobs.schema}.{name}" if jobs.schema else name
+    if key in metadata.tables:
+        return metadata.tables[key]
+    return Table(
+        name,
+        metadata,
+        Column("downstream_id", jobs.c.id.type, primary_key=True, autoincrement=False),
+        #: The upstream's place in the dependent's ``depends_on`` (``upstream_results()`` keeps that order).
+        Column("position", Integer, primary_key=True, autoincrement=False),
+        Column("upstream_id", jobs.c.id.type, nullable=False),
+        #: How the upstream ended when its end was passed on as a failure (dead, cancelled, purged); else NULL.
+        Column("ended", String(16), nullable=True),
+        Index(f"ix_{name}_upstream", "upstream_id"),
+        schema=jobs.schema,
+    )
+
+
+#: What a blocked dependent may do when an upstream fails (``Job(on_upstream_failure=...)``; None is the first).
+FAILURE_POLICIES = ("cancel", "run", "wait")
+#: How an upstream can fail, as the reason a cancelled dependent is given.
+_FAILED = {"dead": "was dead-lettered", "cancelled": "was cancelled", "purged": "was purged from the dead letters"}
+
+
+def on_upstream_failure(policy: str | None, ended: str) -> str:
+    """What a blocked dependent with ``policy`` does when an upstream ended ``ended`` (dead, cancelled,
+    purged): ``cancel`` it, ``run`` (count the upstream as done), or ``wait`` (a requeue of the dead
+    upstream resumes it). Only a dead upstream can come back, so ``wait`` cancels on the other two:
+    nothing would ever release the dependent."""
+    if policy == "run":
+        return "run"
+    if policy == "wait" and ended == "dead":
+        return "wait"
+    return "cancel"
+
+
+class Graph:
+    """The statements of job graphs (see the module docstring)."""
+
+    jobs: Table
+
+    if TYPE_CHECKING:  # Driver's own (declared here for the type checker only: Driver must win the MRO)
+        def now(self) -> ColumnElement[datetime]: ...
+        def notify(self, conn: Connection) -> None: ...
+
+    @property
+    def edges(self) -> Table:
+        return edge_table(self.jobs)
+
+    # -- a new dependent's flush -------------------------------------------------------------
+
+    def lock_upstreams(self, conn: Connection, ids: Sequence[int]) -> dict[int, str]:
+        """Mark existing jobs as having dependents, under their row locks; their states, by id.
+
+        The lock is what makes the hand-off race-free: a worker finishing one of them waits for
+        this transaction, and its ``unblock`` (a later statement of its transaction) then sees the
+        new edges; or this waits for the worker, and then reads the job finished. Ids missing from
+        the result are not in the jobs table (dead-lettered, pruned, or never existed).
+        """
+        t = self.jobs
+        states: dict[int, str] = {}
+        for chunk in _chunks(sorted(set(ids))):
+            rows = conn.execute(select(t.c.id, t.c.state).where(t.c.id.in_(chunk)).with_for_update())
+            states.update({r.id: r.state for r in rows})
+            live = [i for i, s in states.items() if i in chunk and s not in ("finished", "cancelled")]
+            if live:
+                conn.execute(update(t).where(t.c.id.in_(live)).values(has_dependents=True))
+        return states
+
+    def dead_ids(self, conn: Connection, dead: Table, ids: Sequence[int]) -> set[int]:
+        """Which of ``ids`` are in the dead-letter table ``dead``."""
+        found: set[int] = set()
+        for chunk in _chunks(sorted(set(ids))):
+            found.update(conn.scalars(select(dead.c.id).where(dead.c.id.in_(chunk))))
+        return found
+
+    def add_edges(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """Insert edges (``downstream_id``, ``position``, ``upstream_id``)."""
+        for chunk in _chunks(list(rows), _EDGE_BATCH):
+            conn.execute(insert(self.edges), chunk)
+
+    # -- an upstream ended -------------------------------------------------------------------
+
+    def unblock(self, conn: Connection, finished: Iterable[int]) -> int:
+        """Upstreams ``finished`` (or counted as if): their blocked dependents' counts go down, those at 0
+        become ``pending``, and listening workers are woken. Returns how many dependents were counted down."""
+        ids = sorted(set(finished))
+        if not ids:
+            return 0
+        t, e = self.jobs, self.edges
+        touched = 0
+        for chunk in _chunks(ids):
+            open_edges = and_(e.c.upstream_id.in_(chunk), e.c.ended.is_(None))
+            gone = select(func.count()).where(e.c.downstream_id == t.c.id, open_edges).scalar_subquery()
+            # `state` first: MariaDB/MySQL evaluate SET left to right with the new values, PostgreSQL and
+            # SQLite with the old ones; in this order both read the old count.
+            stmt = (update(t)
+                    .where(t.c.id.in_(select(e.c.downstream_id).where(open_edges)), t.c.state == "blocked")
+                    .ordered_values((t.c.state, case((t.c.waiting_for - gone <= 0, "pending"), else_="blocked")),
+                                    (t.c.waiting_for, t.c.waiting_for - gone)))
+            touched += conn.execute(stmt).rowcount
+        if touched:
+            self.notify(conn)
+        return touched
+
+    def blocked_dependents(self, conn: Connection, upstreams: Sequence[int]) -> list[Any]:
+        """The blocked dependents of ``upstreams`` whose edge from them is still open:
+        (``downstream_id``, ``upstream_id``, ``on_upstream_failure``), locked for the caller's update."""
+        t, e = self.jobs, self.edges
+        rows: list[Any] = []
+        for chunk in _chunks(sorted(set(upstreams))):
+            stmt = (select(e.c.downstream_id, e.c.upstream_id, t.c.on_upstream_failure)
+                    .join(t, t.c.id == e.c.downstream_id)
+                    .where(e.c.upstream_id.in_(chunk), e.c.ended.is_(None), t.c.state == "blocked")
+                    .order_by(e.c.downstream_id, e.c.upstream_id))
+            rows.extend(conn.execute(stmt))
+        return rows
+
+    def cancel_dependents(self, conn: Connection, reasons: dict[int, str]) -> list[int]:
+        """Cancel blocked jobs, each with its reason as ``last_error``; returns those cancelled that have
+        dependents of their own (their end is passed on next)."""
+        t = self.jobs
+        onward: list[int] = []
+        now = self.now()
+        for job_id, reason in sorted(reasons.items()):
+            stmt = (update(t).where(t.c.id == job_id, t.c.state == "blocked")
+                    .values(state="cancelled", finished_at=now, cancelled_at=now, last_error=truncate(reason)))
+            if conn.execute(stmt).rowcount == 1:
+                onward.append(job_id)
+        if not onward:
+            return []
+        return list(conn.scalars(select(t.c.id).where(t.c.id.in_(onward), t.c.has_dependents)))
+
+    def count_as_done(self, conn: Connection, edges: Sequence[tuple[int, int]], ended: str) -> None:
+        """Edges (downstream, upstream) whose upstream ended ``ended`` and whose dependent runs anyway:
+        marked, so a later finish of a requeued upstream does not count again, and counted down."""
+        if not edges:
+            return
+        e, t = self.edges, self.jobs
+        for downstream, upstream in edges:
+            marked = conn.execute(update(e).where(e.c.downstream_id == downstream, e.c.upstream_id == upstream,
+                                                  e.c.ended.is_(None)).values(ended=ended)).rowcount
+            if marked:
+                conn.execute(update(t).where(t.c.id == downstream, t.c.state == "blocked").ordered_values(
+                    (t.c.state, case((t.c.waiting_for - marked <= 0, "pending"), else_="blocked")),
+                    (t.c.waiting_for, t.c.waiting_for - marked)))
+        self.notify(conn)
+
+    def pass_on_failure(self, conn: Connection, upstreams: Sequence[int], ended: str) -> None:
+        """Upstreams ended without finishing (``ended``: dead, cancelled, purged): each blocked dependent
+        does what its ``on_upstream_failure`` says (``on_upstream_failure``), and a cancelled dependent's
+        own dependents hear of it in turn, down the graph, in the caller's transaction."""
+        level, how = sorted(set(upstreams)), ended
+        while level:
+            cancel: dict[int, str] = {}
+            run: list[tuple[int, int]] = []
+            for row in self.blocked_dependents(conn, level):
+                action = on_upstream_failure(row.on_upstream_failure, how)
+                if action == "cancel":
+                    cancel.setdefault(row.downstream_id, f"upstream job {row.upstream_id} {_FAILED[how]}")
+                elif action == "run":
+                    run.append((row.downstream_id, row.upstream_id))
+            self.count_as_done(conn, [edge for edge in run if edge[0] not in cancel], how)
+            level, how = self.cancel_dependents(conn, cancel), "cancelled"
+
+    def with_dependents(self, conn: Connection, ids: Sequence[int], states: Sequence[str]) -> list[int]:
+        """Which of ``ids`` have dependents and are in one of ``states`` (after a release or a cancel)."""
+        t = self.jobs
+        return list(conn.scalars(select(t.c.id).where(t.c.id.in_(list(ids)), t.c.has_dependents,
+                                                      t.c.state.in_(list(states)))))
+
+    def mark_upstreams(self, conn: Connection, ids: Sequence[int]) -> None:
+        """Requeued jobs that others depend on get ``has_dependents`` back (the dead table has no such column)."""
+        t, e = self.jobs, self.edges
+        for chunk in _chunks(sorted(set(ids))):
+            conn.execute(update(t).where(t.c.id.in_(chunk), t.c.id.in_(select(e.c.upstream_id)))
+                         .values(has_dependents=True))
+
+    # -- reading a graph ---------------------------------------------------------------------
+
+    def upstreams(self, conn: Connection, job_id: int) -> list[Any]:
+        """A job's upstreams in ``depends_on`` order: (``position``, ``id``, ``state``, ``result``, ``ended``);
+        ``state`` and ``result`` are None for one no longer in the jobs table (dead-lettered or pruned)."""
+        e, t = self.edges, self.jobs
+        stmt = (select(e.c.position, e.c.upstream_id.label("id"), t.c.state, t.c.result, e.c.ended)
+                .select_from(e.outerjoin(t, t.c.id == e.c.upstream_id))
+                .where(e.c.downstream_id == job_id).order_by(e.c.position))
+        return list(conn.execute(stmt))
+
+    def dependents(self, conn: Connection, job_id: int) -> list[Any]:
+        """The jobs that depend on ``job_id``: (``id``, ``state``), by id."""
+        e, t = self.edges, self.jobs
+        stmt = (select(e.c.downstream_id.label("id"), t.c.state)
+                .select_from(e.outerjoin(t, t.c.id == e.c.downstream_id))
+                .where(e.c.upstream_id == job_id).order_by(e.c.downstream_id))
+        return list(conn.execute(stmt))
+
+
+def _chunks(items: list[Any], size: int = 1000) -> list[list[Any]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]
+

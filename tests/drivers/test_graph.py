@@ -1,0 +1,327 @@
+"""Job graphs on every backend: a new dependent's flush, the hand-off when an upstream ends, failure policies.
+
+Dependents are added through the ORM (``Job(depends_on=...)``), as users add them; upstreams end through
+the driver's own acts (``finish``, ``finish_and_claim``, ``dead_letter``, ``release``, ``cancel``, requeue,
+purge), the ones the worker and the admin commands call.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from sqla_jobs import InvalidJob
+from sqla_jobs.drivers.base import Claimed
+from tests import app
+from tests.drivers.conftest import Backend, in_write
+
+Job = app.Job
+PAST = datetime(2020, 1, 1, tzinfo=timezone.utc)
+
+
+def add(backend: Backend, *jobs: Any) -> list[int]:
+    """Commit ``jobs`` (and the new upstreams they name) in one ORM transaction; their ids."""
+    with Session(backend.db.engine, expire_on_commit=False) as session, session.begin():
+        session.add_all(jobs)
+    return [job.id for job in jobs]
+
+
+def requeue(backend: Backend, ids: list[int]) -> list[int]:
+    with Session(backend.db.engine) as session, session.begin():
+        return app.queue.requeue_dead(session, ids=ids)
+
+
+def job(kind: str = "noop", **fields: Any) -> Any:
+    return Job(kind=kind, payload={}, run_at=PAST, **fields)
+
+
+def state(backend: Backend, job_id: int) -> str | None:
+    row = backend.row(job_id)
+    return None if row is None else str(row.state)
+
+
+def waiting(backend: Backend, job_id: int) -> int:
+    return int(backend.row(job_id).waiting_for)
+
+
+def claim_all(backend: Backend, ids: list[int]) -> list[Claimed]:
+    claimed = backend.claim(100)
+    assert sorted(c.id for c in claimed) == sorted(ids), (claimed, ids)
+    return claimed
+
+
+def finish(backend: Backend, jobs: list[Claimed]) -> set[int]:
+    return in_write(backend, lambda c: backend.driver.finish(c, [j.fence for j in jobs]))  # type: ignore[no-any-return]
+
+
+# -- adding dependents -----------------------------------------------------------------------------
+
+
+def test_a_dependent_of_new_jobs_is_blocked_and_counts_them(backend: Backend) -> None:
+    pages = [job() for _ in range(3)]
+    merge = job("noop", depends_on=pages)
+    [merge_id] = add(backend, merge)  # the pages come with it
+    assert state(backend, merge_id) == "blocked"
+    assert waiting(backend, merge_id) == 3
+    page_ids = [p.id for p in pages]
+    assert all(state(backend, i) == "pending" and backend.row(i).has_dependents for i in page_ids)
+    with backend.db.engine.connect() as conn:
+        ups = backend.driver.upstreams(conn, merge_id)
+        assert [(u.position, u.id) for u in ups] == list(enumerate(page_ids))
+        assert [d.id for d in backend.driver.dependents(conn, page_ids[0])] == [merge_id]
+    # The claim never sees a blocked job.
+    assert sorted(c.id for c in backend.claim(100)) == sorted(page_ids)
+
+
+def test_a_dependent_of_existing_jobs_by_id_counts_only_those_not_finished(backend: Backend) -> None:
+    done, running, pending = add(backend, job(), job(), job())
+    first = claim_all(backend, [done, running, pending])
+    finish(backend, [c for c in first if c.id == done])
+    in_write(backend, lambda c: backend.driver.release(c, next(j.fence for j in first if j.id == pending)))
+    # the same upstream twice (as an id, then again) is one dependency
+    [dependent] = add(backend, job("noop", depends_on=[done, running, pending, running]))
+    assert state(backend, dependent) == "blocked"
+    assert waiting(backend, dependent) == 2
+    assert backend.row(running).has_dependents and backend.row(pending).has_dependents
+    with backend.db.engine.connect() as conn:
+        assert [u.id for u in backend.driver.upstreams(conn, dependent)] == [done, running, pending]
+    # On finished upstreams only: not blocked at all.
+    [free] = add(backend, job("noop", depends_on=[done]))
+    assert state(backend, free) == "pending"
+
+
+def test_the_last_upstream_to_finish_unblocks_in_its_own_transaction(backend: Backend) -> None:
+    ups = [job() for _ in range(3)]
+    [join] = add(backend, job("noop", depends_on=ups))
+    claimed = claim_all(backend, [u.id for u in ups])
+    finish(backend, claimed[:1])
+    assert (state(backend, join), waiting(backend, join)) == ("blocked", 2)
+    finish(backend, claimed[1:])  # two in one finish: counted down by two
+    assert (state(backend, join), waiting(backend, join)) == ("pending", 0)
+    assert [c.id for c in backend.claim(10)] == [join]
+
+
+def test_an_unblocking_finish_rolled_back_leaves_the_dependent_blocked(backend: Backend) -> None:
+    up = job()
+    [down] = add(backend, job("noop", depends_on=[up]))
+    [claimed] = claim_all(backend, [up.id])
+    with pytest.raises(RuntimeError), backend.write() as conn:
+        assert backend.driver.finish(conn, [claimed.fence]) == {up.id}
+        raise RuntimeError("the finishing transaction fails after the finish")
+    assert (state(backend, up.id), state(backend, down)) == ("running", "blocked")
+    finish(backend, [claimed])
+    assert state(backend, down) == "pending"
+
+
+def test_the_hot_finish_and_claim_finishes_or_leaves_a_job_with_dependents_never_half(backend: Backend) -> None:
+    """PostgreSQL's one-statement finish leaves such a job to ``Driver.finish`` (Store.finish_declined); the
+    others finish it and count down in the same transaction. Either way no dependent is left behind."""
+    up, plain = job(), job()
+    [down] = add(backend, job("noop", depends_on=[up]), plain)[:1]
+    claimed = claim_all(backend, [up.id, plain.id])
+    fences = [c.fence for c in claimed]
+    kept, _, _ = in_write(backend, lambda c: backend.driver.finish_and_claim(c, fences, 0, "w", "t", 60.0, None))
+    assert plain.id in kept
+    if up.id in kept:
+        assert state(backend, down) == "pending"
+    else:
+        assert backend.name == "postgresql"
+        assert (state(backend, up.id), state(backend, down)) == ("running", "blocked")
+        assert finish(backend, [c for c in claimed if c.id == up.id]) == {up.id}
+        assert state(backend, down) == "pending"
+
+
+def test_a_chain_runs_one_link_at_a_time(backend: Backend) -> None:
+    links = [job("noop")]
+    for _ in range(4):
+        links.append(job("noop", depends_on=[links[-1]]))
+    add(backend, *links)
+    for link in links:
+        [claimed] = backend.claim(10)
+        assert claimed.id == link.id
+        finish(backend, [claimed])
+    assert backend.claim(10) == []
+
+
+# -- upstream failures ---------------------------------------------------------------------------------
+
+
+def _dead(backend: Backend, claimed: Claimed) -> None:
+    assert in_write(backend, lambda c: backend.driver.dead_letter(c, claimed.fence, "boom"))
+
+
+@pytest.mark.parametrize("policy", [None, "cancel", "run", "wait"])
+def test_a_dead_upstream_and_each_policy(backend: Backend, policy: str | None) -> None:
+    bad, good = job(), job()
+    dependent = job("noop", depends_on=[bad, good], on_upstream_failure=policy)
+    grandchild = job("noop", depends_on=[dependent])
+    add(backend, dependent, grandchild)
+    claimed = {c.id: c for c in claim_all(backend, [bad.id, good.id])}
+    _dead(backend, claimed[bad.id])
+    if policy == "run":
+        assert (state(backend, dependent.id), waiting(backend, dependent.id)) == ("blocked", 1)
+        finish(backend, [claimed[good.id]])
+        assert state(backend, dependent.id) == "pending"
+        with backend.db.engine.connect() as conn:
+            assert [u.ended for u in backend.driver.upstreams(conn, dependent.id)] == ["dead", None]
+    elif policy == "wait":
+        finish(backend, [claimed[good.id]])
+        assert (state(backend, dependent.id), waiting(backend, dependent.id)) == ("blocked", 1)
+        assert requeue(backend, [bad.id]) == [bad.id]
+        assert backend.row(bad.id).has_dependents
+        [again] = backend.claim(10)
+        assert again.id == bad.id
+        finish(backend, [again])
+        assert state(backend, dependent.id) == "pending"
+    else:
+        row = backend.row(dependent.id)
+        assert row.state == "cancelled"
+        assert f"upstream job {bad.id} was dead-lettered" in row.last_error
+        after = backend.row(grandchild.id)
+        assert after.state == "cancelled"
+        assert f"upstream job {dependent.id} was cancelled" in after.last_error
+        finish(backend, [claimed[good.id]])  # a later finish leaves the cancelled dependent alone
+        assert state(backend, dependent.id) == "cancelled"
+
+
+def test_a_run_anyway_dependent_is_counted_once_when_its_dead_upstream_is_requeued_and_finishes(
+        backend: Backend) -> None:
+    bad, slow = job(), job()
+    dependent = job("noop", depends_on=[bad, slow], on_upstream_failure="run")
+    add(backend, dependent)
+    claimed = {c.id: c for c in claim_all(backend, [bad.id, slow.id])}
+    _dead(backend, claimed[bad.id])
+    assert waiting(backend, dependent.id) == 1
+    requeue(backend, [bad.id])
+    [again] = backend.claim(10)
+    finish(backend, [again])
+    # Still waiting for `slow`: the requeued upstream was counted when it died, not again now.
+    assert (state(backend, dependent.id), waiting(backend, dependent.id)) == ("blocked", 1)
+    finish(backend, [claimed[slow.id]])
+    assert state(backend, dependent.id) == "pending"
+
+
+def test_a_cancelled_run_cancels_its_dependents(backend: Backend) -> None:
+    up = job()
+    [down] = add(backend, job("noop", depends_on=[up], on_upstream_failure="wait"))
+    [claimed] = claim_all(backend, [up.id])
+    assert in_write(backend, lambda c: backend.driver.release(c, claimed.fence, cancel=True))
+    row = backend.row(down)
+    assert row.state == "cancelled" and f"upstream job {up.id} was cancelled" in row.last_error
+
+
+def test_cancelling_a_blocked_job_cancels_its_dependents_down_the_graph(backend: Backend) -> None:
+    up = job()
+    middle = job("noop", depends_on=[up])
+    last = job("noop", depends_on=[middle])
+    add(backend, last)
+    with Session(backend.db.engine) as session, session.begin():
+        assert app.queue.cancel(session, middle.id) == "cancelled"
+    assert (state(backend, up.id), state(backend, middle.id), state(backend, last.id)) == (
+        "pending", "cancelled", "cancelled")
+
+
+def test_purging_a_dead_upstream_cancels_the_dependents_waiting_for_it(backend: Backend) -> None:
+    up = job()
+    [down] = add(backend, job("noop", depends_on=[up], on_upstream_failure="wait"))
+    [claimed] = claim_all(backend, [up.id])
+    _dead(backend, claimed)
+    assert state(backend, down) == "blocked"
+    with Session(backend.db.engine) as session, session.begin():
+        assert app.queue.purge_dead(session, older_than=0) == 1
+    row = backend.row(down)
+    assert row.state == "cancelled" and "purged" in row.last_error
+
+
+# -- bad graphs fail at flush, with nothing written -------------------------------------------------
+
+
+def _rejected(backend: Backend, message: str, *jobs: Any) -> None:
+    t = backend.driver.jobs
+    before = backend.scalar(select(func.count()).select_from(t).scalar_subquery())
+    with pytest.raises(InvalidJob, match=message):
+        add(backend, *jobs)
+    assert backend.scalar(select(func.count()).select_from(t).scalar_subquery()) == before
+    assert backend.scalar(select(func.count()).select_from(backend.driver.edges).scalar_subquery()) == 0
+
+
+def test_a_cycle_is_refused(backend: Backend) -> None:
+    a, b = job("noop"), job("record")
+    a.depends_on = [b]
+    b.depends_on = [a]
+    _rejected(backend, "cycle: 'noop' -> 'record' -> 'noop'|cycle: 'record' -> 'noop' -> 'record'", a, b)
+
+
+def test_an_unknown_or_dead_upstream_is_refused(backend: Backend) -> None:
+    _rejected(backend, "depends on job 987654, which is not in table 'jobs'", job(depends_on=[987654]))
+    [up] = add(backend, job())
+    [claimed] = claim_all(backend, [up])
+    _dead(backend, claimed)
+    _rejected(backend, f"depends on job {up}, which is in the dead letters: requeue it first",
+              job(depends_on=[up]))
+
+
+def test_a_cancelled_upstream_is_refused_unless_the_dependent_runs_anyway(backend: Backend) -> None:
+    [up] = add(backend, job())
+    with Session(backend.db.engine) as session, session.begin():
+        app.queue.cancel(session, up)
+    _rejected(backend, f"depends on job {up}, which was cancelled", job(depends_on=[up]))
+    [anyway] = add(backend, job(depends_on=[up], on_upstream_failure="run"))
+    assert state(backend, anyway) == "pending"
+
+
+def test_other_bad_values_are_refused_when_set(backend: Backend) -> None:
+    with pytest.raises(InvalidJob, match="on_upstream_failure must be one of"):
+        job(on_upstream_failure="retry")
+    with pytest.raises(InvalidJob, match="list of jobs or job ids"):
+        job(depends_on=42)
+    with pytest.raises(InvalidJob, match="holds jobs"):
+        job(depends_on=["42"])
+    with pytest.raises(InvalidJob, match="holds jobs"):
+        job(depends_on=[True])
+    [done] = add(backend, job())
+    with Session(backend.db.engine) as session:
+        existing = session.get(Job, done)
+        with pytest.raises(InvalidJob, match="before the job is first flushed"):
+            existing.depends_on = []
+    _rejected(backend, "cannot have a unique_key", job(depends_on=[job()], unique_key="k"))
+
+
+# -- the race: a dependent added while its upstream's run is being finished --------------------------
+
+
+def test_a_dependent_added_while_the_worker_finishes_its_upstream_is_never_left_blocked(backend: Backend) -> None:
+    """The worker's own write (``Store.finish_and_claim``, PostgreSQL's one-statement hot path included)
+    waits for the adding transaction's lock on the upstream, then either finishes it and counts the new
+    dependent down, or leaves it to ``Driver.finish`` (``Store.finish_declined``), which does. Without the
+    hot statement's ``NOT has_dependents`` the upstream finished and the dependent stayed blocked for ever."""
+    import threading
+
+    from sqla_jobs.worker.runs import Outcome
+    from sqla_jobs.worker.store import Store
+
+    [up] = add(backend, job())
+    [claimed] = claim_all(backend, [up])
+    store = Store(backend.db.engine, app.queue, backend.driver, "conformance", 60.0, None)
+    done: list[Any] = []
+    session = Session(backend.db.engine, expire_on_commit=False)
+    try:
+        with session.begin():
+            dependent = job(depends_on=[up])
+            session.add(dependent)
+            session.flush()  # the upstream is locked (marked has_dependents) until this commits
+            finisher = threading.Thread(target=lambda: done.append(
+                store.finish_and_claim([Outcome(claimed, "ok", 0.0)], 0, "t2", alone=False)))
+            finisher.start()
+            finisher.join(1.0)
+            assert finisher.is_alive(), "the worker's finish did not wait for the adding transaction"
+        finisher.join(30)
+    finally:
+        session.close()
+        store.close()
+    assert done, "the worker's finish did not return"
+    assert (state(backend, up), state(backend, dependent.id)) == ("finished", "pending")

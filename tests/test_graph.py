@@ -1,0 +1,89 @@
+"""Job graphs under real worker processes: a fan-in's join runs once, after every upstream finished by the
+database clock, and reads their results in order; a chain runs link by link; a failed upstream cancels
+its dependents. Four ``sqla-jobs worker`` processes share the work (tests/test_concurrency.py's harness)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import pairwise
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from tests import app
+from tests.conftest import Database
+from tests.test_concurrency import _run_burst_workers
+
+pytestmark = pytest.mark.slow
+
+FAN = 300
+
+
+def _started(session: Session, job_id: int) -> list[object]:
+    return list(session.scalars(select(app.Effect.at).where(app.Effect.job_id == job_id,
+                                                            app.Effect.event == "start")))
+
+
+@pytest.mark.parametrize("flavour", ["threaded", "async"])
+def test_a_fan_in_joins_once_after_every_upstream_finished(db: Database, flavour: str) -> None:
+    record, value, join = (("async_record", "result_async", "async_join") if flavour == "async"
+                           else ("record", "result_value", "join"))
+    with Session(db.engine, expire_on_commit=False) as session, session.begin():
+        # Half the upstreams return a value (the transactional finish with results), half return None
+        # (the worker's batched hot finish): the hand-off must hold on both paths.
+        ups = [app.Job(kind=value if i % 2 else record, payload={"value": i}) for i in range(FAN)]
+        last = app.Job(kind=join, payload={}, depends_on=ups)
+        session.add(last)
+    _run_burst_workers(db, flavour)
+    with Session(db.engine) as session:
+        states = Counter(session.scalars(select(app.Job.state)))
+        starts = _started(session, last.id)
+        latest = session.scalar(select(func.max(app.Job.finished_at)).where(app.Job.id != last.id))
+        joined = session.get(app.Job, last.id)
+        result, claimed, attempts = joined.result, joined.locked_at, joined.attempts
+    assert states == {"finished": FAN + 1}
+    assert len(starts) == 1 and attempts == 1, "the join ran more than once"
+    assert claimed >= latest  # claimed after the last upstream finished, by the database clock
+    expected = [({"async": i} if flavour == "async" else i) if i % 2 else None for i in range(FAN)]
+    assert result == {"upstreams": expected}
+
+
+def test_a_chain_runs_link_by_link_across_processes(db: Database) -> None:
+    with Session(db.engine, expire_on_commit=False) as session, session.begin():
+        links = [app.Job(kind="record", payload={})]
+        for _ in range(29):
+            links.append(app.Job(kind="record", payload={}, depends_on=[links[-1]]))
+        session.add_all(links)
+    _run_burst_workers(db, "threaded")
+    with Session(db.engine) as session:
+        rows = {j.id: j for j in session.scalars(select(app.Job))}
+        starts = {link.id: _started(session, link.id) for link in links}
+    assert {r.state for r in rows.values()} == {"finished"}
+    for before, after in pairwise(links):
+        assert len(starts[after.id]) == 1 and rows[after.id].attempts == 1
+        assert rows[after.id].locked_at >= rows[before.id].finished_at  # by the database clock
+
+
+def test_a_dead_upstream_cancels_its_dependents_and_a_waiting_one_resumes_on_requeue(db: Database) -> None:
+    with Session(db.engine, expire_on_commit=False) as session, session.begin():
+        bad = app.Job(kind="fail", payload={}, max_attempts=1)
+        cancelled = app.Job(kind="record", payload={}, depends_on=[bad])
+        patient = app.Job(kind="record", payload={}, depends_on=[bad], on_upstream_failure="wait")
+        anyway = app.Job(kind="join", payload={}, depends_on=[bad], on_upstream_failure="run")
+        session.add_all([cancelled, patient, anyway])
+    _run_burst_workers(db, "threaded")
+    with Session(db.engine) as session:
+        assert session.get(app.DeadJob, bad.id) is not None
+        assert session.get(app.Job, cancelled.id).state == "cancelled"
+        assert f"upstream job {bad.id} was dead-lettered" in session.get(app.Job, cancelled.id).last_error
+        assert session.get(app.Job, patient.id).state == "blocked"
+        assert session.get(app.Job, anyway.id).result == {"upstreams": [None]}
+    with Session(db.engine) as session, session.begin():
+        app.queue.requeue_dead(session, ids=[bad.id])
+        session.get(app.Job, bad.id).kind = "record"  # fixed: it runs now
+    _run_burst_workers(db, "threaded")
+    with Session(db.engine) as session:
+        assert session.get(app.Job, bad.id).state == "finished"
+        assert session.get(app.Job, patient.id).state == "finished"
+        assert len(_started(session, patient.id)) == 1
