@@ -326,7 +326,7 @@ def join(payload: dict[str, Any]) -> Any:
     return {"upstreams": results}
 
 
-@queue.handler("async_join")
+@queue.handler("join_async")
 async def async_join(payload: dict[str, Any]) -> Any:
     await arecord("start")
     results = await current_job().upstream_results_async()

@@ -27,7 +27,7 @@ def _started(session: Session, job_id: int) -> list[object]:
 
 @pytest.mark.parametrize("flavour", ["threaded", "async"])
 def test_a_fan_in_joins_once_after_every_upstream_finished(db: Database, flavour: str) -> None:
-    record, value, join = (("async_record", "result_async", "async_join") if flavour == "async"
+    record, value, join = (("async_record", "result_async", "join_async") if flavour == "async"
                            else ("record", "result_value", "join"))
     with Session(db.engine, expire_on_commit=False) as session, session.begin():
         # Half the upstreams return a value (the transactional finish with results), half return None
