@@ -168,7 +168,7 @@ def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
         first = min(missing)
         if first in dead:
             raise InvalidJob(f"a new job depends on job {first}, which is in the dead letters: requeue it first "
-                             "(`sqla-jobs dead requeue`), then add the dependent")
+                             "(`sqla-jobs dead retry`), then add the dependent")
         raise InvalidJob(f"a new job depends on job {first}, which is not in table {jobs.name!r} "
                          "(never added, or pruned)")
     for job in dependents:

@@ -317,6 +317,16 @@ def answer(payload: dict[str, Any]) -> Any:
     return payload.get("value")
 
 
+#: Set by a test to let a running ``gate`` job end (in-process workers only).
+GATE = threading.Event()
+
+
+@queue.handler("gate")
+def gate(payload: dict[str, Any]) -> None:
+    """Runs until the test opens ``GATE`` (at most ``payload["seconds"]``, default 10)."""
+    GATE.wait(payload.get("seconds", 10))
+
+
 @queue.handler("join")
 def join(payload: dict[str, Any]) -> Any:
     """A job graph's join: records its start, returns what its upstreams returned (sqla_jobs._graph)."""

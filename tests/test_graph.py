@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import pairwise
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -49,6 +50,18 @@ def test_a_fan_in_joins_once_after_every_upstream_finished(db: Database, flavour
     assert result == {"upstreams": expected}
 
 
+def test_a_plain_handler_reads_its_upstreams_under_the_async_worker(db: Database) -> None:
+    """The async worker runs a plain ``def`` handler on a thread; its ``upstream_results()`` reads through the
+    worker's event loop (its engine is async)."""
+    with Session(db.engine, expire_on_commit=False) as session, session.begin():
+        ups = [app.Job(kind="result_value", payload={"value": i}) for i in range(3)]
+        last = app.Job(kind="join", payload={}, depends_on=ups)
+        session.add(last)
+    _run_burst_workers(db, "async")
+    with Session(db.engine) as session:
+        assert session.get(app.Job, last.id).result == {"upstreams": [0, 1, 2]}
+
+
 def test_a_chain_runs_link_by_link_across_processes(db: Database) -> None:
     with Session(db.engine, expire_on_commit=False) as session, session.begin():
         links = [app.Job(kind="record", payload={})]
@@ -87,3 +100,54 @@ def test_a_dead_upstream_cancels_its_dependents_and_a_waiting_one_resumes_on_req
         assert session.get(app.Job, bad.id).state == "finished"
         assert session.get(app.Job, patient.id).state == "finished"
         assert len(_started(session, patient.id)) == 1
+
+
+def test_a_dependent_is_not_left_blocked_when_its_upstream_finishes_between_the_flush_s_read_and_write(
+        db: Database) -> None:
+    """The flush marks the upstream first, then reads its state: the mark takes SQLite's write lock (the
+    servers' row lock), so a worker cannot commit the upstream's finish between the read and the write. In
+    the other order (read, then mark) a finish in between left the dependent counting a finished upstream."""
+    import threading
+    import time
+
+    from sqlalchemy import create_engine, event
+
+    from sqla_jobs import Worker
+
+    with Session(db.engine, expire_on_commit=False) as session, session.begin():
+        up = app.Job(kind="gate", payload={"seconds": 20})
+        session.add(up)
+    app.GATE.clear()
+    worker_engine = create_engine(db.url)
+    worker = threading.Thread(target=lambda: Worker(worker_engine, app.queue, poll_interval=0.05, listen=False)
+                              .run(burst=True, install_signals=False))
+    worker.start()
+    try:
+        deadline = time.monotonic() + 20
+        while _state(db, up.id) != "running" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        adder = create_engine(db.url)
+
+        @event.listens_for(adder, "after_cursor_execute")
+        def let_the_worker_finish(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+            if "jobs.state" in statement and "FROM jobs" in statement and not app.GATE.is_set():
+                app.GATE.set()  # the upstream's handler returns; its finish commits unless the flush holds a lock
+                until = time.monotonic() + 2
+                while _state(db, up.id) != "finished" and time.monotonic() < until:
+                    time.sleep(0.02)
+
+        with Session(adder, expire_on_commit=False) as session, session.begin():
+            dependent = app.Job(kind="noop", payload={}, depends_on=[up.id])
+            session.add(dependent)
+        assert app.GATE.is_set(), "the flush did not read the upstream's state"
+    finally:
+        app.GATE.set()
+        worker.join(30)
+        worker_engine.dispose()
+    Worker(db.engine, app.queue, poll_interval=0.05, listen=False).run(burst=True, install_signals=False)
+    assert (_state(db, up.id), _state(db, dependent.id)) == ("finished", "finished")
+
+
+def _state(db: Database, job_id: int) -> str | None:
+    with Session(db.engine) as session:
+        return session.scalar(select(app.Job.state).where(app.Job.id == job_id))

@@ -36,8 +36,10 @@ from sqlalchemy import (
     Table,
     and_,
     case,
+    delete,
     func,
     insert,
+    literal,
     select,
     update,
 )
@@ -124,11 +126,13 @@ class Graph:
         t = self.jobs
         states: dict[int, str] = {}
         for chunk in _chunks(sorted(set(ids))):
+            # The write first: on SQLite it takes the database's write lock before the states are read (a read
+            # first let a worker commit a finish in between); on the servers it locks the rows it marks. The
+            # read is a locking one, so MariaDB's REPEATABLE READ reads the latest rows, not its snapshot.
+            conn.execute(update(t).where(t.c.id.in_(chunk), t.c.state.not_in(("finished", "cancelled")))
+                         .values(has_dependents=True))
             rows = conn.execute(select(t.c.id, t.c.state).where(t.c.id.in_(chunk)).with_for_update())
             states.update({r.id: r.state for r in rows})
-            live = [i for i, s in states.items() if i in chunk and s not in ("finished", "cancelled")]
-            if live:
-                conn.execute(update(t).where(t.c.id.in_(live)).values(has_dependents=True))
         return states
 
     def dead_ids(self, conn: Connection, dead: Table, ids: Sequence[int]) -> set[int]:
@@ -156,16 +160,25 @@ class Graph:
         for chunk in _chunks(ids):
             open_edges = and_(e.c.upstream_id.in_(chunk), e.c.ended.is_(None))
             gone = select(func.count()).where(e.c.downstream_id == t.c.id, open_edges).scalar_subquery()
-            # `state` first: MariaDB/MySQL evaluate SET left to right with the new values, PostgreSQL and
-            # SQLite with the old ones; in this order both read the old count.
             stmt = (update(t)
                     .where(t.c.id.in_(select(e.c.downstream_id).where(open_edges)), t.c.state == "blocked")
-                    .ordered_values((t.c.state, case((t.c.waiting_for - gone <= 0, "pending"), else_="blocked")),
-                                    (t.c.waiting_for, t.c.waiting_for - gone)))
+                    .ordered_values(*self._counted_down(gone)))
             touched += conn.execute(stmt).rowcount
         if touched:
             self.notify(conn)
         return touched
+
+    def _counted_down(self, gone: Any) -> list[tuple[Any, Any]]:
+        """SET clauses of a blocked job whose count goes down by ``gone``: ``pending`` at 0, due no earlier than
+        now (it waited for its upstreams, not in the queue: its age as a pending job starts now). In this order:
+        MariaDB/MySQL evaluate SET left to right with the new values, PostgreSQL and SQLite with the old ones,
+        so every clause here reads the old count."""
+        t = self.jobs
+        now = self.now()
+        free = t.c.waiting_for - gone <= 0
+        return [(t.c.state, case((free, "pending"), else_="blocked")),
+                (t.c.run_at, case((and_(free, t.c.run_at < now), now), else_=t.c.run_at)),
+                (t.c.waiting_for, t.c.waiting_for - gone)]
 
     def blocked_dependents(self, conn: Connection, upstreams: Sequence[int]) -> list[Any]:
         """The blocked dependents of ``upstreams`` whose edge from them is still open:
@@ -206,8 +219,7 @@ class Graph:
                                                   e.c.ended.is_(None)).values(ended=ended)).rowcount
             if marked:
                 conn.execute(update(t).where(t.c.id == downstream, t.c.state == "blocked").ordered_values(
-                    (t.c.state, case((t.c.waiting_for - marked <= 0, "pending"), else_="blocked")),
-                    (t.c.waiting_for, t.c.waiting_for - marked)))
+                    *self._counted_down(literal(marked))))
         self.notify(conn)
 
     def pass_on_failure(self, conn: Connection, upstreams: Sequence[int], ended: str) -> None:
@@ -239,6 +251,13 @@ class Graph:
         for chunk in _chunks(sorted(set(ids))):
             conn.execute(update(t).where(t.c.id.in_(chunk), t.c.id.in_(select(e.c.upstream_id)))
                          .values(has_dependents=True))
+
+    def forget_edges(self, conn: Connection, pruned: Sequence[int]) -> None:
+        """Pruned jobs take their own dependencies with them (an upstream's edges stay while its dependent
+        is kept: its ``upstreams()`` still lists it, with no state). By the primary key: cheap per batch."""
+        e = self.edges
+        for chunk in _chunks(sorted(set(pruned))):
+            conn.execute(delete(e).where(e.c.downstream_id.in_(chunk)))
 
     # -- reading a graph ---------------------------------------------------------------------
 

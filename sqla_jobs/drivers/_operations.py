@@ -23,9 +23,7 @@ def utcnow() -> str:
 
 
 def truncate(message: str) -> str:
-    if len(message) <= MAX_ERROR_LENGTH:
-        return message
-    return message[: MAX_ERROR_LENGTH - 15] + "… [truncated]"
+    return message if len(message) <= MAX_ERROR_LENGTH else message[: MAX_ERROR_LENGTH - 15] + "… [truncated]"
 
 
 def requeued_errors(errors: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -61,6 +59,7 @@ class Operations:
         def with_dependents(self, conn: Connection, ids: Sequence[int], states: Sequence[str]) -> list[int]: ...
         def pass_on_failure(self, conn: Connection, upstreams: Sequence[int], ended: str) -> None: ...
         def mark_upstreams(self, conn: Connection, ids: Sequence[int]) -> None: ...
+        def forget_edges(self, conn: Connection, pruned: Sequence[int]) -> None: ...
 
     def now(self) -> ColumnElement[datetime]:
         raise NotImplementedError
@@ -333,12 +332,10 @@ class Operations:
     def purge_dead(self, conn: Connection, older_than: float, kind: str | None = None) -> int:
         """Delete dead jobs that failed more than ``older_than`` seconds ago."""
         d = self.dead
-        old = select(d.c.id).where(d.c.failed_at < self.ago(older_than))
+        stmt = delete(d).where(d.c.failed_at < self.ago(older_than))
         if kind is not None:
-            old = old.where(d.c.kind == kind)
-        ids = list(conn.scalars(old))
-        for start in range(0, len(ids), 1000):
-            conn.execute(delete(d).where(d.c.id.in_(ids[start:start + 1000])))
+            stmt = stmt.where(d.c.kind == kind)
+        ids = list(conn.scalars(stmt.returning(d.c.id)))
         self.pass_on_failure(conn, ids, "purged")  # a dependent waiting for one (on_upstream_failure="wait")
         return len(ids)
 
@@ -366,7 +363,10 @@ class Operations:
             .limit(limit)
         )
         # A row another session is deleting right now is skipped, not waited for.
-        return conn.execute(delete(t).where(t.c.id.in_(self.skip_locked(old).scalar_subquery()))).rowcount
+        gone = list(conn.scalars(delete(t).where(t.c.id.in_(self.skip_locked(old).scalar_subquery()))
+                                 .returning(t.c.id)))
+        self.forget_edges(conn, gone)
+        return len(gone)
 
     # -- vacuum (sqla_jobs.worker.vacuum) ------------------------------------------------------
 

@@ -74,6 +74,10 @@ class AsyncExecutor(Executor):
         self._idle_lock = threading.Lock()
         self._tasks: set[asyncio.Task[Outcome]] = set()  # a strong reference: the loop keeps only weak ones
 
+    def upstreams(self, job_id: int) -> list[Any]:
+        """For a plain handler, on its thread: the read runs on the worker's event loop (its engine is async)."""
+        return asyncio.run_coroutine_threadsafe(self.upstreams_async(job_id), self._loop).result()
+
     async def upstreams_async(self, job_id: int) -> list[Any]:
         async with self.async_engine.connect() as conn:
             return await conn.run_sync(lambda sync: self.driver.upstreams(sync, job_id))

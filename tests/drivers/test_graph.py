@@ -325,3 +325,29 @@ def test_a_dependent_added_while_the_worker_finishes_its_upstream_is_never_left_
         store.close()
     assert done, "the worker's finish did not return"
     assert (state(backend, up), state(backend, dependent.id)) == ("finished", "pending")
+
+
+def test_an_unblocked_job_is_due_from_the_moment_it_was_unblocked(backend: Backend) -> None:
+    """Its age as a pending job (the queue's "oldest pending" alarm) starts when it became pending, not when
+    it was added: a join that waited an hour for its pages is not an hour-old job in the queue."""
+    up = job()
+    [down] = add(backend, job(depends_on=[up]))
+    assert backend.row(down).run_at.replace(tzinfo=None) == PAST.replace(tzinfo=None)
+    [claimed] = claim_all(backend, [up.id])
+    finish(backend, [claimed])
+    row, upstream = backend.row(down), backend.row(up.id)
+    assert row.state == "pending" and row.run_at >= upstream.finished_at
+
+
+def test_pruning_a_dependent_takes_its_edges_with_it(backend: Backend) -> None:
+    """(The partitioned mode prunes whole past days by DROP TABLE, so today's jobs stay, edges and all; the
+    edges of a dropped day stay too: docs/howto/graphs.md.)"""
+    up = job()
+    [down] = add(backend, job(depends_on=[up]))
+    for _ in range(2):
+        finish(backend, backend.claim(10))
+    edges = backend.driver.edges
+    count = select(func.count()).select_from(edges).scalar_subquery()
+    assert backend.scalar(count) == 1
+    pruned = app.queue.prune(backend.db.engine, older_than=0)
+    assert (pruned, backend.scalar(count)) == ((0, 1) if backend.db.partitioned else (2, 0))

@@ -301,6 +301,18 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
         self.mark_upstreams(conn, [r.id for r in rows])  # the dead table keeps no has_dependents
         return sorted(r.id for r in rows)
 
+    def purge_dead(self, conn: Connection, older_than: float, kind: str | None = None) -> int:
+        """``Driver.purge_dead`` without ``DELETE … RETURNING`` (MySQL has none): the ids under lock, then delete."""
+        d = self.dead
+        old = select(d.c.id).where(d.c.failed_at < self.ago(older_than))
+        if kind is not None:
+            old = old.where(d.c.kind == kind)
+        ids = list(conn.scalars(old.with_for_update()))
+        if ids:
+            conn.execute(delete(d).where(d.c.id.in_(ids)))
+        self.pass_on_failure(conn, ids, "purged")
+        return len(ids)
+
     def prune_batch(self, conn: Connection, older_than: float, limit: int) -> int:
         # MySQL cannot DELETE from a table with a LIMIT subquery on that same table: two statements.
         t = self.jobs
@@ -317,6 +329,7 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
         ids = list(conn.execute(self.skip_locked(old)).scalars())
         if not ids:
             return 0
+        self.forget_edges(conn, ids)
         return conn.execute(delete(t).where(t.c.id.in_(ids))).rowcount
 
     def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:
