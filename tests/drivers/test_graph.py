@@ -343,7 +343,7 @@ def test_pruning_a_dependent_takes_its_edges_with_it(backend: Backend) -> None:
     """(The partitioned mode prunes whole past days by DROP TABLE, so today's jobs stay, edges and all; the
     edges of a dropped day stay too: docs/howto/graphs.md.)"""
     up = job()
-    [down] = add(backend, job(depends_on=[up]))
+    add(backend, job(depends_on=[up]))
     for _ in range(2):
         finish(backend, backend.claim(10))
     edges = backend.driver.edges
