@@ -302,3 +302,33 @@ def test_apps_without_the_asyncio_extra_import_and_enqueue_and_queue_aio_says_wh
     assert result.returncode == 0, result.stderr
     assert "queue.aio needs SQLAlchemy's asyncio support: pip install 'sqla-jobs[asyncio]'" in result.stdout
     assert len(payloads(db)) == 1
+
+
+def test_an_async_session_adds_a_graph_and_a_bad_one_fails_at_flush(db: Database) -> None:
+    """``depends_on`` through ``AsyncSession``: the flush's checks, locks and edges run in the greenlet."""
+    from sqlalchemy import select
+
+    from sqla_jobs import InvalidJob
+
+    async def scenario(engine: AsyncEngine) -> tuple[str, str, list[int]]:
+        async with AsyncSession(engine, expire_on_commit=False) as session, session.begin():
+            up = app.Job(kind="noop", payload={})
+            down = app.Job(kind="noop", payload={}, depends_on=[up])
+            session.add(down)
+        async with AsyncSession(engine, expire_on_commit=False) as session, session.begin():
+            by_id = app.Job(kind="noop", payload={}, depends_on=[up.id])
+            session.add(by_id)
+        try:
+            async with AsyncSession(engine) as session, session.begin():
+                session.add(app.Job(kind="noop", payload={}, depends_on=[10**9]))
+        except InvalidJob as exc:
+            assert "not in table" in str(exc)
+        else:
+            raise AssertionError("a dependency on an unknown id was accepted")
+        async with AsyncSession(engine) as session:
+            states = dict((await session.execute(select(app.Job.id, app.Job.state))).all())
+        return states[down.id], states[by_id.id], sorted(states)
+
+    down_state, by_id_state, ids = run(db, scenario)
+    assert (down_state, by_id_state) == ("blocked", "blocked")
+    assert len(ids) == 3  # the refused job left nothing

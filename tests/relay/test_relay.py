@@ -283,3 +283,21 @@ async def _publish_to_a_full_stream(space: BrokerSpace) -> None:
             await target.publish([second], 5.0)
     finally:
         await target.close()
+
+
+def test_a_relayed_jobs_dependents_unblock_when_the_broker_took_it(relay_db: Database, space: BrokerSpace) -> None:
+    """A relayed job ends like a handled one: its finish (the broker's ack) counts its dependents down in
+    the same transaction, so a chain of relayed jobs goes out link by link (each blocked until then)."""
+    with Session(relay_db.engine, expire_on_commit=False) as session, session.begin():
+        chain = [RelayJob(kind="order.created", queue="relay", payload={"step": 0})]
+        for step in range(1, 4):
+            chain.append(RelayJob(kind="order.paid", queue="relay", payload={"step": step}, depends_on=[chain[-1]]))
+        session.add_all(chain)
+    assert states(relay_db) == {"pending": 1, "blocked": 3}
+
+    counts = Relay(relay_db.engine, queue, space.target(ROUTES), batch=7).run(until_idle=True)
+
+    assert counts.published == 4
+    received = space.read_all(expect=4)
+    assert sorted(r.body["step"] for r in received) == [0, 1, 2, 3]
+    assert states(relay_db) == {"finished": 4}
