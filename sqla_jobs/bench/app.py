@@ -3,7 +3,9 @@
 Its tables live in the bench's scratch schema or file (``sqla_jobs.bench.run.scratch``),
 never in yours. ``BenchOrder`` is the business row of the enqueue-inside-a-request
 figure, and ``PlainJob`` the jobs table mapped bare, the floor of ``add_all``
-(``sqla_jobs.bench.enqueue``). Worker processes load the app as
+(``sqla_jobs.bench.enqueue``). ``next`` and ``async_next`` add the next link of a chain in the
+transaction that finishes the current one: the chain without ``depends_on`` that ``bench --graphs``
+measures beside one with it (``sqla_jobs.bench.graphs``). Worker processes load the app as
 ``sqla_jobs.bench.run:queue`` (re-exported there) or ``sqla_jobs.bench.app:queue``.
 """
 
@@ -18,6 +20,7 @@ from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, registry
 
 from .._app import JobQueue
 from .._backoff import Backoff
+from .._context import current_job
 from .._models import DeadJobMixin, JobMixin
 
 __all__ = ["BenchDeadJob", "BenchJob", "BenchOrder", "PlainJob", "picked_event", "picked_up", "queue"]
@@ -78,3 +81,20 @@ async def async_noop(payload: dict[str, Any]) -> None:
 async def async_ping(payload: dict[str, Any]) -> None:
     picked_up[payload["n"]] = time.perf_counter()
     picked_event.set()
+
+
+@queue.handler("next", transactional=True)
+def enqueue_next(payload: dict[str, Any]) -> None:
+    """A link of a chain made without ``depends_on``: the next link commits with this one's finish."""
+    if payload["left"] > 1:
+        session = current_job().session
+        assert session is not None
+        session.add(BenchJob(kind="next", payload={"left": payload["left"] - 1}))
+
+
+@queue.handler("async_next", transactional=True)
+async def async_enqueue_next(payload: dict[str, Any]) -> None:
+    if payload["left"] > 1:
+        session = current_job().session
+        assert session is not None
+        session.add(BenchJob(kind="async_next", payload={"left": payload["left"] - 1}))

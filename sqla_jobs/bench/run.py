@@ -46,7 +46,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from sqlalchemy import Engine, create_engine, exists, func, select
@@ -168,14 +168,13 @@ def _rss_mb(pid: int | None, field: str = "VmRSS") -> float:
     return 0.0
 
 
-def drain(
-    url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int | None,
-    asynchronous: bool = False, vacuum_dead_rows: int | None = None, discard_finished: bool = False,
-) -> tuple[float, float, float, float]:
-    """Jobs/s, and the workers' largest RSS (MB): idle before, after, and peak during the drain.
-
-    ``discard_finished``: the workers keep no finished jobs (``prune_after=0``), each deleted as it finishes.
-    """
+@contextlib.contextmanager
+def worker_processes(
+    url: URL, concurrency: int, processes: int, batch_size: int | None, asynchronous: bool = False,
+    vacuum_dead_rows: int | None = None, discard_finished: bool = False,
+) -> Iterator[list[Any]]:
+    """``processes`` worker processes of ``concurrency`` threads, started and idle (listening where the
+    database notifies, else polling every 20 ms) when this yields; stopped with SIGTERM afterwards."""
     ctx = mp.get_context("spawn")
     readies = [ctx.Event() for _ in range(processes)]
     rendered = url.render_as_string(hide_password=False)
@@ -185,24 +184,39 @@ def drain(
              for r in readies]
     for p in procs:
         p.start()
-    for r in readies:
-        r.wait(60)
-    time.sleep(0.5)  # let them reach their idle wait
-    idle_rss = max(_rss_mb(p.pid) for p in procs)
-    with Session(engine) as session, session.begin():
-        kind = "async_noop" if asynchronous else "noop"
-        queue.enqueue_many(session, ({"kind": kind, "payload": {}} for _ in range(n)))
-    start = time.perf_counter()
-    while _any_unfinished(engine):
-        time.sleep(0.02)
-    elapsed = time.perf_counter() - start
-    time.sleep(0.2)
-    after_rss = max(_rss_mb(p.pid) for p in procs)
-    peak_rss = max(_rss_mb(p.pid, "VmHWM") for p in procs)
-    for p in procs:
-        p.terminate()  # SIGTERM: graceful, nothing is running by now
-    for p in procs:
-        p.join(30)
+    try:
+        for r in readies:
+            r.wait(60)
+        time.sleep(0.5)  # let them reach their idle wait
+        yield procs
+    finally:
+        for p in procs:
+            p.terminate()  # SIGTERM: graceful, nothing is running by now
+        for p in procs:
+            p.join(30)
+
+
+def drain(
+    url: URL, engine: Engine, n: int, concurrency: int, processes: int, batch_size: int | None,
+    asynchronous: bool = False, vacuum_dead_rows: int | None = None, discard_finished: bool = False,
+) -> tuple[float, float, float, float]:
+    """Jobs/s, and the workers' largest RSS (MB): idle before, after, and peak during the drain.
+
+    ``discard_finished``: the workers keep no finished jobs (``prune_after=0``), each deleted as it finishes.
+    """
+    with worker_processes(url, concurrency, processes, batch_size, asynchronous, vacuum_dead_rows,
+                          discard_finished) as procs:
+        idle_rss = max(_rss_mb(p.pid) for p in procs)
+        with Session(engine) as session, session.begin():
+            kind = "async_noop" if asynchronous else "noop"
+            queue.enqueue_many(session, ({"kind": kind, "payload": {}} for _ in range(n)))
+        start = time.perf_counter()
+        while _any_unfinished(engine):
+            time.sleep(0.02)
+        elapsed = time.perf_counter() - start
+        time.sleep(0.2)
+        after_rss = max(_rss_mb(p.pid) for p in procs)
+        peak_rss = max(_rss_mb(p.pid, "VmHWM") for p in procs)
     return n / elapsed, idle_rss, after_rss, peak_rss
 
 

@@ -104,6 +104,10 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.graphs is not None:
+        from ..bench.graphs import run_graphs
+
+        return run_graphs(args)
     if args.soak is not None:
         from ..bench.soak import run_soak
 
@@ -250,6 +254,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--discard-finished", action="store_true",
                    help="the drain's workers run as `sqla-jobs worker --prune-finished-older-than 0`: each job "
                         "is deleted as it finishes")
+    p.add_argument("--graphs", nargs="?", const="fan,chain,enqueue", metavar="fan,chain,enqueue",
+                   help="instead: job graphs, each beside its peer: a 1 -> N -> 1 graph's drain and a plain one, "
+                        "a chain's hop latency and a new job's pickup, --jobs enqueued with dependencies and "
+                        "without (default with the flag: all three)")
+    p.add_argument("--fan-out", type=positive(int), default=100_000, metavar="N",
+                   help="with --graphs: the jobs between the fan-out's root and its join (default 100000)")
+    p.add_argument("--chain-length", type=positive(int), default=10_000, metavar="M",
+                   help="with --graphs: the jobs of the chain (default 10000)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
     common_options(p)
