@@ -46,6 +46,7 @@ from typing import Any
 from sqlalchemy import Connection, Table, event
 from sqlalchemy import inspect as sa_inspect
 from sqlalchemy.orm import Session, UOWTransaction
+from sqlalchemy.orm.attributes import instance_state
 
 from .drivers import FAILURE_POLICIES, Driver, driver_for, edge_table
 from .errors import InvalidJob
@@ -58,6 +59,7 @@ _DEAD: weakref.WeakKeyDictionary[Table, Table] = weakref.WeakKeyDictionary()
 _UNFLUSHED: weakref.WeakSet[Any] = weakref.WeakSet()
 _DRIVERS: dict[tuple[type, Table], Driver] = {}
 _ATTRIBUTE = "_sqla_jobs_depends_on"
+_DISTINCT = "_sqla_jobs_upstreams"  # each upstream once, as the flush counted them (its edges, after)
 _INFO_KEY = "sqla_jobs_graph"
 
 
@@ -121,20 +123,22 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
     if not _UNFLUSHED:
         return
     mine = [job for job in list(_UNFLUSHED)
-            if (state := sa_inspect(job)).session_id == session.hash_key and state.pending]
+            if (state := instance_state(job)).session_id == session.hash_key and state.key is None]
     if not mine:
         return
-    # An upstream given only as an object comes with its dependent, and so do its own upstreams.
+    # An upstream given only as an object comes with its dependent, and so do its own upstreams. The walk
+    # stops at jobs already flushed: their graph is in the table (a chain flushed in parts is not re-read).
     todo, seen = list(mine), {id(job) for job in mine}
     while todo:
         for upstream in todo.pop().depends_on:
-            if not isinstance(upstream, int) and id(upstream) not in seen:
-                seen.add(id(upstream))
-                if sa_inspect(upstream).transient:
-                    session.add(upstream)
-                    if upstream.depends_on:
-                        mine.append(upstream)
-                todo.append(upstream)
+            if isinstance(upstream, int) or id(upstream) in seen or instance_state(upstream).key is not None:
+                continue
+            seen.add(id(upstream))
+            if instance_state(upstream).session_id is None:
+                session.add(upstream)
+                if upstream.depends_on:
+                    mine.append(upstream)
+            todo.append(upstream)
     _check_cycles(mine)
     by_table: dict[Table, list[Any]] = {}
     for job in mine:
@@ -147,18 +151,20 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
 
 def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
     existing: set[int] = set()
+    distinct: dict[int, list[Any]] = {}
     for job in dependents:
         if job.unique_key is not None:
             raise InvalidJob(f"job {job.kind!r}: a job with depends_on cannot have a unique_key yet "
                              "(its key would not be held while it is blocked); put the key on an upstream")
-        for upstream in job.depends_on:
+        ups = distinct[id(job)] = _distinct(job.depends_on)
+        for upstream in ups:
             if isinstance(upstream, int):
                 existing.add(upstream)
                 continue
             if type(upstream).__table__ is not jobs:
                 raise InvalidJob(f"job {job.kind!r} depends on a job of table {type(upstream).__table__.name!r}, "
                                  f"not {jobs.name!r}: a dependency stays within one jobs table")
-            if sa_inspect(upstream).has_identity:
+            if instance_state(upstream).key is not None:
                 existing.add(upstream.id)
     driver = _driver(conn, jobs)
     states = driver.lock_upstreams(conn, sorted(existing)) if existing else {}
@@ -173,15 +179,17 @@ def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
                          "(never added, or pruned)")
     for job in dependents:
         waiting = 0
-        for upstream in _distinct(job.depends_on):
-            state = _state_of(upstream, states)
+        for upstream in distinct[id(job)]:
+            flushed = isinstance(upstream, int) or instance_state(upstream).key is not None
+            state = states[_id_of(upstream)] if flushed else "pending"  # a new one, in this flush
             if state == "cancelled" and job.on_upstream_failure != "run":
                 raise InvalidJob(f"a new job depends on job {_id_of(upstream)}, which was cancelled and will never "
                                  "finish (give the dependent on_upstream_failure='run' to run it anyway)")
             if state not in ("finished", "cancelled"):
                 waiting += 1
-            if not isinstance(upstream, int) and not sa_inspect(upstream).has_identity:
+            if not flushed:
                 upstream.has_dependents = True
+        job.__dict__[_DISTINCT] = distinct[id(job)]
         if waiting:
             job.state, job.waiting_for = "blocked", waiting
 
@@ -192,19 +200,11 @@ def _distinct(upstreams: Iterable[Any]) -> list[Any]:
     kept = []
     for upstream in upstreams:
         key = upstream if isinstance(upstream, int) else (
-            upstream.id if sa_inspect(upstream).has_identity else ("new", id(upstream)))
+            upstream.id if instance_state(upstream).key is not None else ("new", id(upstream)))
         if key not in seen:
             seen.add(key)
             kept.append(upstream)
     return kept
-
-
-def _state_of(upstream: Any, states: dict[int, str]) -> str:
-    if isinstance(upstream, int):
-        return states[upstream]
-    if sa_inspect(upstream).has_identity:
-        return states[upstream.id]
-    return "pending"  # new in this flush
 
 
 def _id_of(upstream: Any) -> Any:
@@ -212,22 +212,34 @@ def _id_of(upstream: Any) -> Any:
 
 
 def _check_cycles(dependents: Sequence[Any]) -> None:
-    """A cycle can only run through new jobs (an existing job's upstreams are fixed): walk theirs."""
+    """A cycle can only run through new jobs (an existing job's upstreams are fixed): walk theirs, depth first
+    without recursion (a chain of 10,000 new jobs is 10,000 deep)."""
     done: set[int] = set()
+    for start in dependents:
+        if id(start) in done:
+            continue
+        path: list[Any] = [start]
+        on_path = {id(start)}
+        stack = [iter(_new_upstreams(start))]
+        while stack:
+            upstream = next(stack[-1], None)
+            if upstream is None:
+                stack.pop()
+                finished = path.pop()
+                on_path.discard(id(finished))
+                done.add(id(finished))
+            elif id(upstream) in on_path:
+                loop = path[path.index(upstream):]
+                names = " -> ".join(repr(j.kind) for j in [*loop, upstream])
+                raise InvalidJob(f"the new jobs' depends_on make a cycle: {names}")
+            elif id(upstream) not in done:
+                path.append(upstream)
+                on_path.add(id(upstream))
+                stack.append(iter(_new_upstreams(upstream)))
 
-    def visit(job: Any, path: list[Any]) -> None:
-        if id(job) in done:
-            return
-        if any(j is job for j in path):
-            names = " -> ".join(repr(j.kind) for j in [*path[path.index(job):], job])
-            raise InvalidJob(f"the new jobs' depends_on make a cycle: {names}")
-        for upstream in job.depends_on:
-            if not isinstance(upstream, int) and not sa_inspect(upstream).has_identity:
-                visit(upstream, [*path, job])
-        done.add(id(job))
 
-    for job in dependents:
-        visit(job, [])
+def _new_upstreams(job: Any) -> list[Any]:
+    return [u for u in job.depends_on if not isinstance(u, int) and instance_state(u).key is None]
 
 
 @event.listens_for(Session, "after_flush")
@@ -241,7 +253,7 @@ def _after_flush(session: Session, flush_context: UOWTransaction) -> None:
     for job in mine:
         rows = by_table.setdefault(type(job).__table__, [])
         rows.extend({"downstream_id": job.id, "position": position, "upstream_id": _id_of(upstream)}
-                    for position, upstream in enumerate(_distinct(job.depends_on)))
+                    for position, upstream in enumerate(job.__dict__.pop(_DISTINCT)))
         _UNFLUSHED.discard(job)
     for jobs, rows in by_table.items():
         _driver(conn, jobs).add_edges(conn, rows)

@@ -34,12 +34,10 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
-    and_,
     case,
     delete,
     func,
     insert,
-    literal,
     select,
     update,
 )
@@ -155,30 +153,35 @@ class Graph:
         ids = sorted(set(finished))
         if not ids:
             return 0
-        t, e = self.jobs, self.edges
+        e = self.edges
         touched = 0
         for chunk in _chunks(ids):
-            open_edges = and_(e.c.upstream_id.in_(chunk), e.c.ended.is_(None))
-            gone = select(func.count()).where(e.c.downstream_id == t.c.id, open_edges).scalar_subquery()
-            stmt = (update(t)
-                    .where(t.c.id.in_(select(e.c.downstream_id).where(open_edges)), t.c.state == "blocked")
-                    .ordered_values(*self._counted_down(gone)))
-            touched += conn.execute(stmt).rowcount
+            # Each dependent's share of these upstreams, counted once through the upstream index (a
+            # correlated count per dependent read a wide fan-in's every edge, for every dependent).
+            gone = (select(e.c.downstream_id.label("id"), func.count().label("n"))
+                    .where(e.c.upstream_id.in_(chunk), e.c.ended.is_(None))
+                    .group_by(e.c.downstream_id).subquery("gone"))
+            touched += self._count_down(conn, gone, select(e.c.downstream_id).where(e.c.upstream_id.in_(chunk)))
         if touched:
             self.notify(conn)
         return touched
 
-    def _counted_down(self, gone: Any) -> list[tuple[Any, Any]]:
-        """SET clauses of a blocked job whose count goes down by ``gone``: ``pending`` at 0, due no earlier than
-        now (it waited for its upstreams, not in the queue: its age as a pending job starts now). In this order:
-        MariaDB/MySQL evaluate SET left to right with the new values, PostgreSQL and SQLite with the old ones,
-        so every clause here reads the old count."""
+    def _count_down(self, conn: Connection, gone: Any, among: Any) -> int:
+        """Two statements, so that no SET reads a value another SET changed (MariaDB/MySQL give a multi-table
+        UPDATE no order): the counts of ``gone`` (id, n) go down, then the blocked jobs ``among`` them at 0
+        become ``pending``, due from now at the latest (they waited for upstreams, not in the queue: their
+        age as pending jobs starts now)."""
+        t = self.jobs
+        counted = conn.execute(update(t).where(t.c.id == gone.c.id, t.c.state == "blocked")
+                               .values(waiting_for=t.c.waiting_for - gone.c.n)).rowcount
+        self._release(conn, among)
+        return counted
+
+    def _release(self, conn: Connection, among: Any) -> None:
         t = self.jobs
         now = self.now()
-        free = t.c.waiting_for - gone <= 0
-        return [(t.c.state, case((free, "pending"), else_="blocked")),
-                (t.c.run_at, case((and_(free, t.c.run_at < now), now), else_=t.c.run_at)),
-                (t.c.waiting_for, t.c.waiting_for - gone)]
+        conn.execute(update(t).where(t.c.id.in_(among), t.c.state == "blocked", t.c.waiting_for <= 0)
+                     .values(state="pending", run_at=case((t.c.run_at < now, now), else_=t.c.run_at)))
 
     def blocked_dependents(self, conn: Connection, upstreams: Sequence[int]) -> list[Any]:
         """The blocked dependents of ``upstreams`` whose edge from them is still open:
@@ -218,8 +221,9 @@ class Graph:
             marked = conn.execute(update(e).where(e.c.downstream_id == downstream, e.c.upstream_id == upstream,
                                                   e.c.ended.is_(None)).values(ended=ended)).rowcount
             if marked:
-                conn.execute(update(t).where(t.c.id == downstream, t.c.state == "blocked").ordered_values(
-                    *self._counted_down(literal(marked))))
+                conn.execute(update(t).where(t.c.id == downstream, t.c.state == "blocked")
+                             .values(waiting_for=t.c.waiting_for - marked))
+                self._release(conn, [downstream])
         self.notify(conn)
 
     def pass_on_failure(self, conn: Connection, upstreams: Sequence[int], ended: str) -> None:

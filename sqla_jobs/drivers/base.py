@@ -264,8 +264,10 @@ class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph):
         among the most urgent ``limit`` and was left, so the worker should drain
         and claim alone. ``skip_kinds``: kinds with limits, which ``drivers._limits.claim_limited`` claims.
         """
+        # The finish first: a dependent it unblocks (drivers/_graph.py) is then claimable by this very claim.
+        finished = self.finish(conn, fences)
         claimed, waiting = self.claim_batch(conn, limit, worker, token, lease, queues, alone, skip_kinds)
-        return self.finish(conn, fences), claimed, waiting
+        return finished, claimed, waiting
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """Insert validated rows (payload already JSON text) in the caller's transaction.
