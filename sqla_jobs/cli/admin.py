@@ -300,7 +300,8 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"UNHEALTHY: database error: {str(exc.orig or exc).strip().splitlines()[0]}")
         return 1
     age = stats.oldest_pending_age
-    summary = f"{stats.ready} ready, {stats.scheduled} scheduled, {stats.running} running, {stats.dead_total} dead"
+    summary = (f"{stats.ready} ready, {stats.scheduled} scheduled, {stats.running} running, {stats.blocked} blocked, "
+               f"{stats.dead_total} dead")
     if age is not None and age > limit:
         print(f"UNHEALTHY: the oldest pending job has waited {format_duration(age)} "
               f"(limit {format_duration(limit)}); {summary}")

@@ -259,6 +259,18 @@ class Graph:
                 .where(e.c.upstream_id == job_id).order_by(e.c.downstream_id))
         return list(conn.execute(stmt))
 
+    # -- showing a graph (the CLI, the dashboard, stats) --------------------------------------
+
+    def blocked_by_queue(self, conn: Connection) -> list[Any]:
+        """Per queue: jobs waiting for their upstreams (``queue``, ``blocked``), by queue.
+
+        Reads only ``ix_<table>_blocked`` (state = 'blocked'; MariaDB/MySQL: the state-led ``ix_<table>_pending``).
+        """
+        t = self.jobs
+        stmt = (select(t.c.queue, func.count().label("blocked")).where(t.c.state == "blocked")
+                .group_by(t.c.queue).order_by(t.c.queue))
+        return list(conn.execute(stmt))
+
 
 def _chunks(items: list[Any], size: int = 1000) -> list[list[Any]]:
     return [items[i:i + size] for i in range(0, len(items), size)]
