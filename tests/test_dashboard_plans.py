@@ -80,11 +80,12 @@ BOUND = 13 * PAGE
 #: Lists with `since` (created within), with the jobs that ended in that window (one every 6 s in this table).
 #: Their ended jobs are read by `finished_at` (an ended job finished after it was created): bounded by the
 #: jobs that ended in the window. An index of the pending jobs by creation time would cost every enqueue, so
-#: the pending and running ones are read whole (without state, or with theirs): bounded by the live jobs.
+#: the pending, running and blocked ones are read whole (without state, or with theirs): bounded by the live jobs.
 SINCE_LISTS = [
     ("/jobs?since=1h&state=finished", 600), ("/jobs?since=1h&state=finished&kind=kind_1", 600),
-    ("/jobs?since=10m&queue=mail", PENDING + RUNNING + 100), ("/jobs?since=1h", PENDING + RUNNING + 600),
-    ("/jobs?since=1h&kind=kind_1", PENDING + RUNNING + 600), ("/jobs?since=2h&state=pending", PENDING),
+    ("/jobs?since=10m&queue=mail", PENDING + BLOCKED + RUNNING + 100),
+    ("/jobs?since=1h", PENDING + BLOCKED + RUNNING + 600),
+    ("/jobs?since=1h&kind=kind_1", PENDING + BLOCKED + RUNNING + 600), ("/jobs?since=2h&state=pending", PENDING),
 ]
 
 
