@@ -148,3 +148,16 @@ def test_a_blocked_job_can_be_cancelled_from_its_page(db: Database) -> None:
     assert job(db.engine, ids["join"]).state == "cancelled"  # type: ignore[union-attr]
     after = job(db.engine, ids["after"])
     assert after is not None and after.state == "cancelled"  # its dependent heard of it (the default policy)
+
+
+def test_purging_a_dead_upstream_from_the_dashboard_cancels_the_dependent_waiting_for_it(db: Database) -> None:
+    """As `queue.purge_dead` and `sqla-jobs dead purge` do: a purged job will never come back."""
+    ids = mixed_graph(db.engine)
+    web = client(db, actions=True, token=TOKEN)
+    done = post(web, "purge", ids=str(ids["bad"]), headers={"Authorization": f"Bearer {TOKEN}"})
+    assert done.status_code == 200 and f"purged 1 dead job(s): {ids['bad']}" in done.text
+    waiter = job(db.engine, ids["waiter"])
+    assert waiter is not None and waiter.state == "cancelled"
+    assert f"upstream job {ids['bad']} was purged from the dead letters" in (waiter.last_error or "")
+    joined = job(db.engine, ids["join"])  # it did without `bad` already: still waits for `later` only
+    assert joined is not None and (joined.state, joined.waiting_for) == ("blocked", 1)

@@ -143,9 +143,12 @@ def job_timings(driver: Driver, conn: Connection, job_id: int) -> Any:
 
 
 def delete_dead(driver: Driver, conn: Connection, ids: Sequence[int]) -> list[int]:
-    """Delete the dead jobs with these ids; returns the ids deleted."""
+    """Delete the dead jobs with these ids; returns the ids deleted. A dependent still waiting for one of them
+    (``on_upstream_failure="wait"``) hears it was purged, as ``purge_dead`` tells it (``sqla_jobs._graph``)."""
     d = driver.dead
-    return sorted(r.id for r in conn.execute(delete(d).where(d.c.id.in_(list(ids))).returning(d.c.id)))
+    gone = sorted(r.id for r in conn.execute(delete(d).where(d.c.id.in_(list(ids))).returning(d.c.id)))
+    driver.pass_on_failure(conn, gone, "purged")
+    return gone
 
 
 def dead_kinds(driver: Driver, conn: Connection) -> list[Any]:
