@@ -136,6 +136,8 @@ def test_blocked_in_the_overview_the_state_filter_and_the_lists(db: Database) ->
     assert shown == sorted([ids["join"], ids["waiter"], ids["after"]], reverse=True)
     recent = web.get("/jobs", params={"since": "1h"}).text  # created within: the blocked ones too
     assert all(f">{ids[name]}</a>" in recent for name in ("join", "waiter", "after"))
+    # The overview wrote a sample of the figures: the blocked ones per queue are in the history too.
+    assert web.get("/api/series", params={"span": "day"}).json()["series"]["blocked"] == {"default": [3.0]}
 
 
 def test_a_blocked_job_can_be_cancelled_from_its_page(db: Database) -> None:
