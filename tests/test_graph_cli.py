@@ -131,3 +131,13 @@ def test_jobs_show_without_a_graph_is_unchanged_and_a_long_list_is_cut(db: Datab
     assert listed[-1] == ["…", "and", "3", "more", "(--json", "lists", "them", "all)"]
     data = json.loads(run_cli("jobs", "show", str(source.id), *APP, "--json", env=db.env()).stdout)
     assert [d["id"] for d in data["dependents"]] == sorted(f.id for f in fan)
+
+
+def test_jobs_cancel_a_blocked_job_and_its_dependents_hear_of_it(db: Database) -> None:
+    ids = mixed_graph(db.engine)
+    cancelled = run_cli("jobs", "cancel", str(ids["join"]), *APP, env=db.env())
+    assert cancelled.returncode == 0, cancelled.stderr
+    assert cancelled.stdout.strip() == f"job {ids['join']} cancelled: it will not run"
+    after = json.loads(run_cli("jobs", "show", str(ids["after"]), *APP, "--json", env=db.env()).stdout)
+    assert after["state"] == "cancelled" and f"upstream job {ids['join']} was cancelled" in after["last_error"]
+    assert after["upstreams"] == [{"id": ids["join"], "kind": "join", "state": "cancelled", "ended": None}]
