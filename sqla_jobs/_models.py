@@ -309,6 +309,8 @@ class JobMixin(_Common):
             # The dashboard's `state=cancelled` list by the page (rare rows: the primary key walked every finished
             # one). Partial: enqueue, claim and finish only test the WHERE. MariaDB's `state`-led indexes suffice.
             Index(f"ix_{name}_cancelled", "id", **partial_where("state = 'cancelled'")).ddl_if(dialect=_PARTIAL),
+            # Jobs waiting for their upstreams (sqla_jobs._graph): counted by `stats`, listed by `state=blocked`.
+            Index(f"ix_{name}_blocked", "id", **partial_where("state = 'blocked'")).ddl_if(dialect=_PARTIAL),
             # Run-time figures and pruning of old finished jobs (NULLs are few and cheap without a WHERE).
             Index(f"ix_{name}_finished", "finished_at", **partial_where("finished_at IS NOT NULL")),
         ]

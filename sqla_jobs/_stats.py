@@ -4,6 +4,7 @@
 
     s = queue.stats(engine)                  # or a Session / Connection
     s.ready, s.scheduled, s.running          # queue length
+    s.blocked                                # waiting for the jobs they depend on (job graphs)
     s.oldest_pending_age                     # seconds the oldest due job has waited (None: none due)
     s.dead_by_kind.get("send_email")         # dead letters by kind (None: that kind has none)
     s.retrying.get("send_email", 0)          # failed at least once, waiting for the next attempt
@@ -12,7 +13,9 @@
 
 1. **Queue length**, split into *ready* (due now, waiting for a worker),
    *scheduled* (``run_at`` in the future: retries in backoff, delayed jobs)
-   and *running*; also per queue name in ``s.queues``.
+   and *running*; also per queue name in ``s.queues``. Beside them,
+   ``blocked``: jobs waiting for the jobs they depend on (``depends_on``),
+   which no worker may take yet.
 2. **Oldest pending age**: how long the longest-waiting *due* job has waited,
    counted from when it became due (``now - run_at``, database clock), so a
    job scheduled for tomorrow does not count as late today. The most useful
@@ -65,6 +68,8 @@ class QueueLength:
     running: int = 0
     expired_leases: int = 0
     oldest_pending_age: float | None = None
+    #: Jobs waiting for the jobs they depend on (``state = 'blocked'``).
+    blocked: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,8 @@ class QueueStats:
     run_times: list[RunTime] = field(default_factory=list)
     #: Pending jobs that have failed at least once, by kind (kinds with none are absent).
     retrying: dict[str, int] = field(default_factory=dict)
+    #: Jobs waiting for the jobs they depend on (``state = 'blocked'``; job graphs).
+    blocked: int = 0
 
     @property
     def retrying_total(self) -> int:
@@ -141,6 +148,8 @@ def collect(driver: Driver, conn: Connection, window: float = DEFAULT_WINDOW, *,
         per_queue[row.queue].update(ready=row.ready, scheduled=row.scheduled, oldest_pending_age=age)
     for row in driver.running_by_queue(conn):
         per_queue[row.queue].update(running=row.running, expired_leases=row.expired)
+    for row in driver.blocked_by_queue(conn):
+        per_queue[row.queue].update(blocked=row.blocked)
     queues = [QueueLength(name, **figures) for name, figures in sorted(per_queue.items())]
     ages = [q.oldest_pending_age for q in queues if q.oldest_pending_age is not None]
     dead = [DeadLetters(r.kind, r.total, r.recent) for r in driver.dead_by_kind(conn, window)]
@@ -158,6 +167,7 @@ def collect(driver: Driver, conn: Connection, window: float = DEFAULT_WINDOW, *,
         dead=dead,
         run_times=times,
         retrying={r.kind: r.retrying for r in driver.retrying_by_kind(conn)},
+        blocked=sum(q.blocked for q in queues),
     )
 
 
@@ -175,6 +185,7 @@ def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
         ["ready", str(s.ready)],
         ["scheduled", str(s.scheduled)],
         ["running", str(s.running)],
+        ["blocked", str(s.blocked)],
         ["oldest pending age", format_duration(s.oldest_pending_age)],
         ["waiting for a retry", str(s.retrying_total)],
         ["dead letters", f"{s.dead_total} ({sum(d.recent for d in s.dead)} in the last {window})"],
@@ -184,8 +195,8 @@ def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
     if len(s.queues) > 1 or any(q.expired_leases for q in s.queues):
         tables.append((
             "By queue",
-            ["queue", "ready", "scheduled", "running", "expired leases", "oldest pending"],
-            [[q.queue, str(q.ready), str(q.scheduled), str(q.running), str(q.expired_leases),
+            ["queue", "ready", "scheduled", "running", "blocked", "expired leases", "oldest pending"],
+            [[q.queue, str(q.ready), str(q.scheduled), str(q.running), str(q.blocked), str(q.expired_leases),
               format_duration(q.oldest_pending_age)] for q in s.queues],
         ))
     if s.run_times:

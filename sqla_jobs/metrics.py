@@ -22,7 +22,7 @@ What is exported (``kind`` and ``queue`` are labels):
 ``sqla_jobs_jobs_cancelled_total``          counter    jobs that ended cancelled
 ``sqla_jobs_jobs_lost_total``               counter    results discarded because the claim was lost
 ``sqla_jobs_job_run_seconds``               histogram  run time of finished and failed runs, by kind
-``sqla_jobs_queue_length``                  gauge      jobs by queue and state (ready/scheduled/running)
+``sqla_jobs_queue_length``                  gauge      jobs by queue and state (ready/scheduled/running/blocked)
 ``sqla_jobs_oldest_pending_age_seconds``    gauge      wait of the oldest due job, by queue (0: none)
 ``sqla_jobs_dead_jobs``                     gauge      jobs in the dead-letter table, by kind
 ``sqla_jobs_retrying_jobs``                 gauge      pending jobs that failed before, by kind
@@ -183,6 +183,7 @@ class _TableCollector(Collector):
             length.add_metric([name, "ready"], q.ready)
             length.add_metric([name, "scheduled"], q.scheduled)
             length.add_metric([name, "running"], q.running)
+            length.add_metric([name, "blocked"], q.blocked)
             age.add_metric([name], q.oldest_pending_age or 0.0)
         dead = GaugeMetricFamily(f"{self.prefix}dead_jobs", "Jobs in the dead-letter table, by kind.",
                                  labels=["kind"])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import Engine, func, select
@@ -64,3 +64,24 @@ def utc(value: datetime | None) -> datetime:
     """SQLite hands datetimes back naive (they are stored as UTC); make every value comparable."""
     assert value is not None
     return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+def mixed_graph(engine: Engine) -> dict[str, int]:
+    """A graph with every kind of neighbour, after a worker's burst; the jobs' ids by name.
+
+    ``join`` depends on ``ok`` (finished, then pruned: gone), ``bad`` (dead-lettered, counted as done:
+    ``on_upstream_failure="run"``) and ``later`` (pending, due tomorrow), so it is blocked on one; ``waiter``
+    waits for ``bad``'s requeue (``"wait"``); ``after`` depends on ``join``.
+    """
+    tomorrow = datetime.now(timezone.utc) + timedelta(days=1)
+    with Session(engine, expire_on_commit=False) as session, session.begin():
+        jobs = {"ok": app.Job(kind="noop", payload={}), "bad": app.Job(kind="fail", payload={}, max_attempts=1),
+                "later": app.Job(kind="noop", payload={}, run_at=tomorrow)}
+        jobs["join"] = app.Job(kind="join", payload={}, depends_on=[jobs["ok"], jobs["bad"], jobs["later"]],
+                               on_upstream_failure="run")
+        jobs["waiter"] = app.Job(kind="noop", payload={}, depends_on=[jobs["bad"]], on_upstream_failure="wait")
+        jobs["after"] = app.Job(kind="noop", payload={}, depends_on=[jobs["join"]])
+        session.add_all(jobs.values())
+    run_burst(engine)
+    assert app.queue.prune(engine, older_than=0) == 1  # `ok`, finished
+    return {name: job.id for name, job in jobs.items()}

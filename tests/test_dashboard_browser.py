@@ -18,7 +18,7 @@ from tests import app
 from tests.browser import new_browser, require_browser, serve
 from tests.conftest import Database
 from tests.dashboard_helpers import TOKEN, kill
-from tests.helpers import enqueue, job, run_burst
+from tests.helpers import enqueue, job, mixed_graph, run_burst
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +149,30 @@ def test_an_action_is_refused_without_the_credential(db: Database, browser: Any,
     click(browser, By.ID, "action-requeue")
     assert shows(browser, "#heading", "Refused")
     assert job(db.engine, dead_id) is None  # still dead
+
+
+def test_a_job_page_draws_its_graph_in_the_states_colours_and_its_nodes_open_their_jobs(
+        db: Database, browser: Any, site: str) -> None:
+    ids = mixed_graph(db.engine)
+    browser.get(site + f"/jobs/{ids['join']}")
+    graph = wait(browser).until(lambda b: b.find_element(By.CSS_SELECTOR, "svg#graph"))
+    assert graph.size["width"] > 400 and graph.size["height"] > 100  # drawn at its size, not collapsed
+
+    def fill(job_id: int) -> str:
+        return str(browser.execute_script(
+            "return getComputedStyle(document.querySelector('#graph [data-job=\"' + arguments[0] + '\"] rect')).fill",
+            str(job_id)))
+
+    def background(css: str) -> str:
+        return str(browser.execute_script("return getComputedStyle(document.querySelector(arguments[0]))"
+                                          ".backgroundColor", css))
+
+    # Each node has its state's colour: the same as that state's badge on the page.
+    assert fill(ids["join"]) == background("#job-state") != "rgba(0, 0, 0, 0)"  # the job itself: blocked
+    assert fill(ids["later"]) == background("#upstreams .badge.state-pending")
+    assert fill(ids["bad"]) == background("#upstreams .badge.state-dead")
+    assert len({fill(ids["join"]), fill(ids["later"]), fill(ids["bad"])}) == 3
+    # A node is a link to its job.
+    click(browser, By.CSS_SELECTOR, f'#graph a[data-job="{ids["bad"]}"]')
+    assert shows(browser, "#job-state", "dead")
+    assert browser.current_url.endswith(f"/jobs/{ids['bad']}")

@@ -31,13 +31,13 @@ from tests.conftest import Database, make_database
 from tests.dashboard_helpers import client
 
 PAGE = 51  # the page size plus the row that tells there is a next page
-PENDING, RUNNING, FINISHED = 2_000, 20, 40_000
+PENDING, BLOCKED, RUNNING, FINISHED = 2_000, 30, 20, 40_000
 
 
 def rows() -> list[dict[str, Any]]:
     """The table: pending jobs created and due a week ago (the oldest ids; a quarter in queue `mail`, kinds in
-    thirds, a fifth at priority 1), a few running, then ended jobs, one every 6 s up to now (1 in 2,000 cancelled:
-    a page of them is spread over the whole table)."""
+    thirds, a fifth at priority 1), a few blocked ones as old (waiting for jobs they depend on), a few running, then
+    ended jobs, one every 6 s up to now (1 in 2,000 cancelled: a page of them is spread over the whole table)."""
     now = datetime.now(timezone.utc)
     week_ago = now - timedelta(days=7)
     out: list[dict[str, Any]] = []
@@ -46,6 +46,10 @@ def rows() -> list[dict[str, Any]]:
         out.append({"kind": f"kind_{i % 3}", "queue": "mail" if i % 4 == 0 else "default", "payload": {},
                     "priority": 1 if i % 5 == 0 else 0, "state": "pending", "run_at": at, "created_at": at,
                     "unique_key": f"order-{i // 100}" if i % 100 == 0 else None})
+    for i in range(1, BLOCKED + 1):
+        at = week_ago + timedelta(seconds=PENDING + i)
+        out.append({"kind": f"kind_{i % 3}", "queue": "default", "payload": {}, "priority": 0, "state": "blocked",
+                    "waiting_for": 1, "run_at": at, "created_at": at})
     for i in range(1, RUNNING + 1):
         out.append({"kind": f"kind_{i % 3}", "queue": "default", "payload": {}, "priority": 0, "state": "running",
                     "run_at": now, "created_at": now, "attempts": 1, "locked_at": now, "locked_by": "test",
@@ -57,14 +61,15 @@ def rows() -> list[dict[str, Any]]:
                     "created_at": at, "attempts": 1,
                     "locked_at": at, "finished_at": at + timedelta(seconds=1),
                     "unique_key": f"order-{i // 1000}" if i % 1000 == 0 else None})
-    return [{"attempts": 0, "locked_at": None, "locked_by": None, "claim_token": None, "lease_expires_at": None,
-             "finished_at": None, "unique_key": None, **row} for row in out]
+    return [{"attempts": 0, "waiting_for": 0, "locked_at": None, "locked_by": None, "claim_token": None,
+             "lease_expires_at": None, "finished_at": None, "unique_key": None, **row} for row in out]
 
 
 #: Every list the dashboard links to: the state choices, the overview's per-queue and per-kind links
 #: (with state=pending), the filter form's fields and their combinations.
 LISTS = [
     "/jobs", "/jobs?state=pending", "/jobs?state=running", "/jobs?state=finished", "/jobs?state=cancelled",
+    "/jobs?state=blocked",
     "/jobs?queue=mail&state=pending", "/jobs?kind=kind_1&state=pending", "/jobs?kind=kind_1&queue=mail&state=pending",
     "/jobs?queue=mail", "/jobs?kind=kind_1", "/jobs?state=finished&kind=kind_1&queue=mail",
     "/jobs?unique_key=order-7", "/jobs?unique_key=order-7&state=pending",
@@ -75,11 +80,12 @@ BOUND = 13 * PAGE
 #: Lists with `since` (created within), with the jobs that ended in that window (one every 6 s in this table).
 #: Their ended jobs are read by `finished_at` (an ended job finished after it was created): bounded by the
 #: jobs that ended in the window. An index of the pending jobs by creation time would cost every enqueue, so
-#: the pending and running ones are read whole (without state, or with theirs): bounded by the live jobs.
+#: the pending, running and blocked ones are read whole (without state, or with theirs): bounded by the live jobs.
 SINCE_LISTS = [
     ("/jobs?since=1h&state=finished", 600), ("/jobs?since=1h&state=finished&kind=kind_1", 600),
-    ("/jobs?since=10m&queue=mail", PENDING + RUNNING + 100), ("/jobs?since=1h", PENDING + RUNNING + 600),
-    ("/jobs?since=1h&kind=kind_1", PENDING + RUNNING + 600), ("/jobs?since=2h&state=pending", PENDING),
+    ("/jobs?since=10m&queue=mail", PENDING + BLOCKED + RUNNING + 100),
+    ("/jobs?since=1h", PENDING + BLOCKED + RUNNING + 600),
+    ("/jobs?since=1h&kind=kind_1", PENDING + BLOCKED + RUNNING + 600), ("/jobs?since=2h&state=pending", PENDING),
 ]
 
 

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from sqla_jobs import JobEvent, Worker
 from sqla_jobs.metrics import QueueMetrics
 from tests import forkserver
-from tests.app import queue
+from tests.app import Job, queue
 from tests.conftest import ROOT, Database
 from tests.test_operations import APP, effects, enqueue, job_row
 from tests.test_stats import db_now
@@ -125,6 +125,24 @@ def test_python_api_gauges_follow_the_table(db: Database) -> None:
         metrics.detach()
     found = samples(generate_latest(registry).decode())
     assert found == {}
+
+
+def test_blocked_jobs_are_a_state_of_the_queue_length(db: Database) -> None:
+    registry = CollectorRegistry()
+    metrics = QueueMetrics(queue, db.engine, registry=registry, stats_max_age=0)
+    try:
+        with Session(db.engine) as session, session.begin():
+            upstream = Job(kind="noop", payload={})
+            session.add_all([Job(kind="noop", payload={}, depends_on=[upstream]) for _ in range(2)])
+        found = samples(generate_latest(registry).decode())
+        assert value(found, "sqla_jobs_queue_length", queue="default", state="blocked") == 2
+        assert value(found, "sqla_jobs_queue_length", queue="default", state="ready") == 1
+        Worker(db.engine, queue, poll_interval=0.05).run(burst=True, install_signals=False)
+        found = samples(generate_latest(registry).decode())
+        assert value(found, "sqla_jobs_queue_length", queue="default", state="blocked") == 0
+        assert value(found, "sqla_jobs_jobs_finished_total", kind="noop") == 3
+    finally:
+        metrics.detach()
 
 
 def test_gauges_are_cached_between_scrapes(db: Database) -> None:

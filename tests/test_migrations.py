@@ -379,12 +379,12 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_partial_db.url).stdout
     [revision] = project.revisions()
     source = revision.read_text()
-    # Exactly the difference: thirteen columns, the dependencies' table and its index, four new indexes, the
+    # Exactly the difference: thirteen columns, the dependencies' table and its index, five new indexes, the
     # claim index rebuilt in its new column order, and on PostgreSQL the NOTIFY trigger; nothing else.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
     # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
-    expected = sorted(["add_column"] * 13 + ["create_table"] + ["create_index"] * 6 + ["drop_index"] + ["get_bind"]
+    expected = sorted(["add_column"] * 13 + ["create_table"] + ["create_index"] * 7 + ["drop_index"] + ["get_bind"]
                       + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
@@ -400,6 +400,7 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     assert re.search(isolate, upgrade), upgrade
     assert "op.create_index('ix_app_tasks_finished'" in upgrade
     assert "op.create_index('ix_app_tasks_cancelled'" in upgrade  # the dashboard's cancelled list (issue 31)
+    assert "op.create_index('ix_app_tasks_blocked'" in upgrade  # stats' and the lists' blocked jobs (issue 33)
     assert "add column app_tasks.errors" in out
 
     project.alembic("upgrade", "head")

@@ -59,10 +59,11 @@ def test_partial_indexes_named_after_the_table(db: Database) -> None:
     assert {"ix_jobs_pending", "ix_jobs_running", "ix_jobs_finished"} <= names
     assert "state = 'pending'" in index_where(db, "jobs", "ix_jobs_pending")
     assert "state = 'running'" in index_where(db, "jobs", "ix_jobs_running")
-    if db.backend != "mariadb":  # no partial indexes there: its `state`-led ones find the cancelled jobs
+    if db.backend != "mariadb":  # no partial indexes there: its `state`-led ones find the cancelled and blocked jobs
         assert "state = 'cancelled'" in index_where(db, "jobs", "ix_jobs_cancelled")
+        assert "state = 'blocked'" in index_where(db, "jobs", "ix_jobs_blocked")
     else:
-        assert "ix_jobs_cancelled" not in names
+        assert not {"ix_jobs_cancelled", "ix_jobs_blocked"} & names
     assert "ix_dead_jobs_kind" in {ix["name"] for ix in inspect(db.engine).get_indexes("dead_jobs")}
 
 
@@ -107,7 +108,7 @@ def test_table_args_keeps_queue_indexes_and_adds_the_users(db: Database) -> None
     assert {ix.name for ix in table.indexes} == {
         f"ix_my_jobs_{suffix}_pending", f"ix_my_jobs_{suffix}_running", f"ix_my_jobs_{suffix}_finished",
         f"ix_my_jobs_{suffix}_unique_key", f"ux_my_jobs_{suffix}_unique", f"ix_my_jobs_{suffix}_kind",
-        f"ix_my_jobs_{suffix}_cancelled",  # in the metadata everywhere, created only where it can be partial
+        f"ix_my_jobs_{suffix}_cancelled", f"ix_my_jobs_{suffix}_blocked",  # created only where they can be partial
     }
     assert {ix.name for ix in MyDead.__table__.indexes} == {  # type: ignore[attr-defined]
         f"ix_my_dead_{suffix}_kind", f"ix_my_dead_{suffix}_queue",

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import Connection, Engine, insert, select, text
+from sqlalchemy.orm import Session
 
 # Internal on purpose: the duration parser has no Python API (the CLI's --older-than/--since use it),
 # and percentile is the Python twin of PostgreSQL's percentile_cont, compared with it directly.
@@ -122,9 +123,25 @@ def test_stats_on_a_known_table(db: Database) -> None:
     assert (cheap.ready, cheap.running, cheap.run_times, cheap.dead_total) == (4, 2, [], 3)
 
 
+def test_blocked_jobs_are_counted_per_queue(db: Database) -> None:
+    """Jobs waiting for the jobs they depend on are a state of their own: neither ready nor scheduled."""
+    with Session(db.engine) as session, session.begin():
+        upstream = Job(kind="noop", payload={})
+        session.add_all([Job(kind="noop", payload={}, depends_on=[upstream]),
+                         *(Job(kind="noop", payload={}, queue="graphs", depends_on=[upstream]) for _ in range(2))])
+    s = queue.stats(db.engine)
+    assert (s.ready, s.scheduled, s.running, s.blocked) == (1, 0, 0, 3)
+    by_queue = {q.queue: q for q in s.queues}
+    assert (by_queue["default"].ready, by_queue["default"].blocked) == (1, 1)
+    assert (by_queue["graphs"].ready, by_queue["graphs"].blocked) == (0, 2)  # a queue of blocked jobs only is listed
+    assert s.to_dict()["blocked"] == 3 and s.to_dict()["queues"][1]["blocked"] == 2
+    assert queue.stats(db.engine, run_times=False).blocked == 3
+
+
 def test_stats_of_an_empty_table(db: Database) -> None:
     s = queue.stats(db.engine)
     assert (s.ready, s.scheduled, s.running, s.finished, s.dead_total, s.retrying_total) == (0, 0, 0, 0, 0, 0)
+    assert s.blocked == 0
     assert s.oldest_pending_age is None and s.queues == [] and s.run_times == []
     assert s.to_dict()["oldest_pending_age"] is None
 
@@ -138,8 +155,6 @@ def test_only_scheduled_jobs_have_no_oldest_age(db: Database) -> None:
 
 
 def test_stats_accepts_session_engine_and_connection(db: Database) -> None:
-    from sqlalchemy.orm import Session
-
     add_jobs(db.engine, [{"run_at": db_now(db.engine) - timedelta(seconds=1)}])
     with Session(db.engine) as session:
         assert queue.stats(session).ready == 1
@@ -175,6 +190,7 @@ def test_stats_queries_can_use_the_partial_indexes(pg: Database) -> None:
         sql.pending_by_queue(conn)
         sql.running_by_queue(conn)
         sql.run_times(conn, 3600)
+        sql.blocked_by_queue(conn)
         conn.execute = real_execute  # type: ignore[method-assign]
         plans = [_plan(conn, stmt) for stmt in captured]
         prune_plan = _plan(conn, select(Job.id).where(
@@ -183,6 +199,7 @@ def test_stats_queries_can_use_the_partial_indexes(pg: Database) -> None:
     assert "ix_jobs_pending" in plans[0], plans[0]
     assert "ix_jobs_running" in plans[1], plans[1]
     assert "ix_jobs_finished" in plans[2], plans[2]
+    assert "ix_jobs_blocked" in plans[3], plans[3]
     assert "ix_jobs_finished" in prune_plan, prune_plan
 
 

@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from .._app import JobQueue
 from .._bootstrap import load_app, make_engine
 from .._durations import format_duration, parse_duration
+from .._neighbourhood import Neighbour, Neighbourhood, neighbourhood, policy_text
 from .._stats import stats_tables
 from ..errors import ConfigError, ConnectionProblem, NotFound, SchemaError
 from .terminal import print_table
@@ -196,11 +197,21 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
     return 0
 
 
-def _show(row: Any, state: str, as_json: bool) -> None:
+#: Upstreams and dependents `jobs show` prints (each); --json gives all of them.
+SHOWN_NEIGHBOURS = 50
+
+
+def _neighbours(queue: JobQueue[Any, Any], session: Session, job_id: int, as_json: bool) -> Neighbourhood:
+    conn = session.connection()
+    return neighbourhood(queue.driver(conn), conn, job_id, limit=None if as_json else SHOWN_NEIGHBOURS)
+
+
+def _show(row: Any, state: str, as_json: bool, hood: Neighbourhood) -> None:
     data = _row_dict(row)
     data.setdefault("state", state)
     if as_json:
-        _print_json(data)
+        _print_json({**data, "upstreams": [n.to_dict() for n in hood.upstreams],
+                     "dependents": [n.to_dict() for n in hood.dependents]})
         return
     errors = data.pop("errors", None) or []
     payload = data.pop("payload", None)
@@ -218,6 +229,35 @@ def _show(row: Any, state: str, as_json: bool) -> None:
     for entry in errors:  # an entry without an attempt is an event between attempts: a requeue
         what = "" if entry.get("attempt") is None else f"attempt {entry.get('attempt')} "
         print(f"  {what}at {entry.get('at')}: {entry.get('error')}")
+    if hood:
+        _show_graph(data, state, hood)
+
+
+def _show_graph(data: dict[str, Any], state: str, hood: Neighbourhood) -> None:
+    """The job's place in its graph, after its fields: what it waits for, its upstreams and dependents."""
+    if state == "blocked":
+        print(f"blocked: waits for {data['waiting_for']} of its {hood.upstream_total} upstream(s) to finish")
+        print(f"  on_upstream_failure {policy_text(data.get('on_upstream_failure'))}")
+    for title, shown, more in (("upstreams", hood.upstreams, hood.more_upstreams),
+                               ("dependents", hood.dependents, hood.more_dependents)):
+        if not shown:
+            continue
+        order = "in depends_on order" if title == "upstreams" else "by id"
+        print(f"{title} ({len(shown) + more}, {order}):")
+        for line in _neighbour_lines(shown):
+            print(f"  {line}")
+        if more:
+            print(f"  … and {more} more (--json lists them all)")
+    waiting = [str(n.id) for n in hood.dependents if n.state == "blocked" and n.ended is None]
+    if state == "dead" and waiting:
+        print(f"dependent(s) {', '.join(waiting)} wait for it: requeue it with `sqla-jobs dead retry {data['id']}`")
+
+
+def _neighbour_lines(neighbours: list[Neighbour]) -> list[str]:
+    columns = [[str(n.id), n.shown_state, n.kind or "", n.note] for n in neighbours]
+    widths = [max(len(row[i]) for row in columns) for i in range(4)]
+    return ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+            for row in columns]
 
 
 def cmd_jobs_show(args: argparse.Namespace) -> int:
@@ -228,9 +268,8 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
             row = queue.get_dead(session, args.id)
             if row is None:
                 raise NotFound(f"no job with id {args.id}")
-            _show(row, "dead", args.json)
-            return 0
-    _show(row, row.state, args.json)
+        hood = _neighbours(queue, session, args.id, args.json)
+    _show(row, getattr(row, "state", "dead"), args.json, hood)
     return 0
 
 
@@ -266,7 +305,8 @@ def cmd_dead_show(args: argparse.Namespace) -> int:
             alive = queue.get_job(session, args.id)
             hint = f": it is in the jobs table ({alive.state}); see `sqla-jobs jobs show {args.id}`" if alive else ""
             raise NotFound(f"no dead job with id {args.id}{hint}")
-    _show(row, "dead", args.json)
+        hood = _neighbours(queue, session, args.id, args.json)
+    _show(row, "dead", args.json, hood)
     return 0
 
 
@@ -300,7 +340,8 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"UNHEALTHY: database error: {str(exc.orig or exc).strip().splitlines()[0]}")
         return 1
     age = stats.oldest_pending_age
-    summary = f"{stats.ready} ready, {stats.scheduled} scheduled, {stats.running} running, {stats.dead_total} dead"
+    summary = (f"{stats.ready} ready, {stats.scheduled} scheduled, {stats.running} running, {stats.blocked} blocked, "
+               f"{stats.dead_total} dead")
     if age is not None and age > limit:
         print(f"UNHEALTHY: the oldest pending job has waited {format_duration(age)} "
               f"(limit {format_duration(limit)}); {summary}")

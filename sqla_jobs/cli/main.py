@@ -288,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     job_id_argument(p, "the job's id (a dead job's too)")
     json_flag(p, "the job")
     p.set_defaults(func=cmd_jobs_show)
-    p = jsub.add_parser("cancel", help="a pending job never runs; a running one is told to stop and ends cancelled")
+    p = jsub.add_parser("cancel",
+                        help="a pending or blocked job never runs; a running one is told to stop and ends cancelled")
     common_options(p)
     job_id_argument(p, "the id of the job to cancel")
     p.set_defaults(func=cmd_jobs_cancel)

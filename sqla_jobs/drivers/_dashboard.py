@@ -66,8 +66,8 @@ def job_page(
     * ``since`` (created within that many seconds), without ``state`` or with an
       ended state: an ended job finished after it was created, so its rows are
       looked up by ``finished_at`` (index ``ix_<jobs>_finished``) and bounded by
-      the jobs that ended in the window; without ``state`` the pending and running
-      ones come beside them, each state's newest page by the path its statistics
+      the jobs that ended in the window; without ``state`` the pending, running
+      and blocked ones come beside them, each state's newest page by the path its statistics
       favour (no index has their creation time: one would cost every enqueue).
       Before, a window with few jobs (an idle queue) walked the whole table.
 
@@ -126,7 +126,7 @@ def job_page(
     # pending jobs through their partial index, a large fresh backlog by the primary key. (Without the
     # LIMIT, a fresh backlog was read whole: 58 ms for 300,000 against 9 ms. With it, MariaDB walks the
     # primary key even for a few old pending jobs, as it did before: docs/howto/dashboard.md, "Speed".)
-    branches = [newest(t.c.state == "pending"), newest(t.c.state == "running"), ended]
+    branches = [newest(t.c.state == "pending"), newest(t.c.state == "running"), newest(t.c.state == "blocked"), ended]
     merged = union_all(*(select(b.subquery()) for b in branches)).subquery()
     return list(conn.execute(select(merged).order_by(merged.c.id.desc()).limit(limit)))
 
@@ -143,9 +143,12 @@ def job_timings(driver: Driver, conn: Connection, job_id: int) -> Any:
 
 
 def delete_dead(driver: Driver, conn: Connection, ids: Sequence[int]) -> list[int]:
-    """Delete the dead jobs with these ids; returns the ids deleted."""
+    """Delete the dead jobs with these ids; returns the ids deleted. A dependent still waiting for one of them
+    (``on_upstream_failure="wait"``) hears it was purged, as ``purge_dead`` tells it (``sqla_jobs._graph``)."""
     d = driver.dead
-    return sorted(r.id for r in conn.execute(delete(d).where(d.c.id.in_(list(ids))).returning(d.c.id)))
+    gone = sorted(r.id for r in conn.execute(delete(d).where(d.c.id.in_(list(ids))).returning(d.c.id)))
+    driver.pass_on_failure(conn, gone, "purged")
+    return gone
 
 
 def dead_kinds(driver: Driver, conn: Connection) -> list[Any]:

@@ -38,6 +38,7 @@ from sqlalchemy import (
     delete,
     func,
     insert,
+    literal,
     select,
     update,
 )
@@ -102,6 +103,7 @@ class Graph:
     """The statements of job graphs (see the module docstring)."""
 
     jobs: Table
+    dead: Table
 
     if TYPE_CHECKING:  # Driver's own (declared here for the type checker only: Driver must win the MRO)
         def now(self) -> ColumnElement[datetime]: ...
@@ -281,6 +283,44 @@ class Graph:
                 .select_from(e.outerjoin(t, t.c.id == e.c.downstream_id))
                 .where(e.c.upstream_id == job_id).order_by(e.c.downstream_id))
         return list(conn.execute(stmt))
+
+    # -- showing a graph (the CLI, the dashboard, stats) --------------------------------------
+
+    def blocked_by_queue(self, conn: Connection) -> list[Any]:
+        """Per queue: jobs waiting for their upstreams (``queue``, ``blocked``), by queue.
+
+        Reads only ``ix_<table>_blocked`` (state = 'blocked'; MariaDB/MySQL: the state-led ``ix_<table>_pending``).
+        """
+        t = self.jobs
+        stmt = (select(t.c.queue, func.count().label("blocked")).where(t.c.state == "blocked")
+                .group_by(t.c.queue).order_by(t.c.queue))
+        return list(conn.execute(stmt))
+
+    def neighbours(self, conn: Connection, job_id: int, *, upstream: bool, limit: int | None = None) -> list[Any]:
+        """One side of a job's neighbourhood, at most ``limit`` rows: its upstreams in ``depends_on`` order
+        (``upstream=True``) or its dependents by id, each (``id``, ``kind``, ``state``, ``ended``).
+
+        ``state`` is the jobs table's, ``'dead'`` for a job in the dead letters, None for one in neither (pruned,
+        or purged); ``ended`` is the edge's: how the upstream failed when a dependent ran anyway. The job may be
+        in either table: a dead job's dependents are read the same way.
+        """
+        e, t, d = self.edges, self.jobs, self.dead
+        near, far = (e.c.downstream_id, e.c.upstream_id) if upstream else (e.c.upstream_id, e.c.downstream_id)
+        state = case((t.c.state.is_not(None), t.c.state), (d.c.id.is_not(None), literal("dead")))
+        stmt = (select(far.label("id"), func.coalesce(t.c.kind, d.c.kind).label("kind"), state.label("state"),
+                       e.c.ended)
+                .select_from(e.outerjoin(t, t.c.id == far).outerjoin(d, d.c.id == far))
+                .where(near == job_id)
+                .order_by(e.c.position if upstream else e.c.downstream_id))
+        return list(conn.execute(stmt if limit is None else stmt.limit(limit)))
+
+    def edge_counts(self, conn: Connection, job_id: int) -> tuple[int, int]:
+        """How many upstreams and how many dependents ``job_id`` has (its edges, whatever became of the jobs)."""
+        e = self.edges
+        ups = select(func.count()).select_from(e).where(e.c.downstream_id == job_id).scalar_subquery()
+        downs = select(func.count()).select_from(e).where(e.c.upstream_id == job_id).scalar_subquery()
+        row = conn.execute(select(ups.label("upstreams"), downs.label("dependents"))).one()
+        return int(row.upstreams), int(row.dependents)
 
 
 def _chunks(items: list[Any], size: int = 1000) -> list[list[Any]]:

@@ -26,7 +26,8 @@ from ._security import AUTH_COOKIE
 
 #: action -> (what the confirmation page asks, whether a kind may stand for ids)
 ACTIONS: dict[str, tuple[str, bool]] = {
-    "cancel": ("Cancel {what}? A pending job will never run; a running one is told to stop at its "
+    "cancel": ("Cancel {what}? A pending or blocked job will never run (its dependents then do what their "
+               "on_upstream_failure says); a running one is told to stop at its "
                "worker's next heartbeat and ends cancelled (a handler that ignores it runs to its end).",
                False),
     "retry": ("Make {what} due now?", False),

@@ -20,14 +20,18 @@ from starlette.templating import Jinja2Templates
 from .._admin import Admin
 from .._durations import format_duration, parse_duration
 from .._models import STATES
+from .._neighbourhood import neighbourhood, policy_text
 from ..drivers import _dashboard as sql_dashboard
 from ..errors import ConfigError
 from . import _samples
+from ._graph_svg import neighbourhood_svg
 from ._security import CSRF_COOKIE, Guard
 
 log = logging.getLogger("sqla_jobs.web")
 
 PAGE_SIZE = 50
+#: Upstreams and dependents a job's page lists (each); its picture draws fewer (``_graph_svg.DRAWN``).
+NEIGHBOURS = 50
 #: What the last action did, for the page it redirects to (read once, then deleted).
 FLASH_COOKIE = "sqla_jobs_flash"
 SPANS = {"hour": 3600.0, "day": 86400.0}
@@ -183,13 +187,20 @@ def job(request: Request) -> Response:
             row = site.queue.get_dead(session, job_id)
         conn = session.connection()
         timings = None if dead else sql_dashboard.job_timings(site.queue.driver(conn), conn, job_id)
-    if row is None:
+        hood = None if row is None else neighbourhood(site.queue.driver(conn), conn, job_id, limit=NEIGHBOURS)
+    if row is None or hood is None:
         return site.render(request, "message.html", 404, heading="No such job",
                            message=f"There is no job {job_id} in the jobs table or the dead-letter table "
                                    "(it may have been pruned or purged).")
     data = dict(row._mapping)
+    state = "dead" if dead else data["state"]
+    # The job's place in its graph (docs/howto/dashboard.md, "A job's graph"), when it has one.
+    graph = neighbourhood_svg(job_id, data["kind"], state, hood,
+                              lambda i: str(request.url_for("job", job_id=i))) if hood else None
     return site.render(
-        request, "job.html", job=data, dead=dead, state="dead" if dead else data["state"], timings=timings,
+        request, "job.html", job=data, dead=dead, state=state, timings=timings,
+        hood=hood, graph=graph, policy=policy_text(data.get("on_upstream_failure")),
+        waiting=[n.id for n in hood.dependents if n.state == "blocked" and n.ended is None] if dead else [],
         payload=json.dumps(data.get("payload"), indent=2, ensure_ascii=False, default=str),
         errors=data.get("errors") or [],
         # What the handler returned and how far it got (docs/howto/results.md); a dead job has neither.

@@ -2,7 +2,7 @@
 
 Design. One sample is a handful of rows ``(taken_at, series, label, value)``
 written at most once per ``interval`` (default 60 s): per queue name its
-``ready``, ``scheduled``, ``running`` and ``oldest`` (oldest pending age, s);
+``ready``, ``scheduled``, ``running``, ``blocked`` and ``oldest`` (oldest pending age, s);
 ``finished`` (jobs finished per minute over the last interval); per kind its
 ``dead`` (dead letters in total), ``retrying`` (failed at least once, waiting
 for the next attempt), ``p50`` and ``p95`` (run time, s, over the last
@@ -111,6 +111,7 @@ def record_sample(
             {"series": "ready", "label": q.queue, "value": q.ready},
             {"series": "scheduled", "label": q.queue, "value": q.scheduled},
             {"series": "running", "label": q.queue, "value": q.running},
+            {"series": "blocked", "label": q.queue, "value": q.blocked},
             {"series": "oldest", "label": q.queue, "value": q.oldest_pending_age or 0.0},
         ]
     rows.append({"series": "finished", "label": "", "value": stats.throughput})

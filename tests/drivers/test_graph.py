@@ -351,3 +351,30 @@ def test_pruning_a_dependent_takes_its_edges_with_it(backend: Backend) -> None:
     assert backend.scalar(count) == 1
     pruned = app.queue.prune(backend.db.engine, older_than=0)
     assert (pruned, backend.scalar(count)) == ((0, 1) if backend.db.partitioned else (2, 0))
+
+
+# -- showing a graph (the CLI's `jobs show`, the dashboard's job page, stats) ------------------------------------
+
+
+def test_a_neighbourhood_is_read_with_each_neighbours_state_and_blocked_jobs_are_counted_per_queue(
+        backend: Backend) -> None:
+    bad, good = job(), job()
+    dependent = job("noop", depends_on=[bad, good], on_upstream_failure="run", queue="graphs")
+    after = job("noop", depends_on=[dependent])
+    add(backend, dependent, after)
+    claimed = {c.id: c for c in claim_all(backend, [bad.id, good.id])}
+    _dead(backend, claimed[bad.id])
+    with backend.db.engine.connect() as conn:
+        def side(job_id: int, upstream: bool, limit: int | None = None) -> list[tuple[Any, ...]]:
+            rows = backend.driver.neighbours(conn, job_id, upstream=upstream, limit=limit)
+            return [(r.id, r.kind, r.state, r.ended) for r in rows]
+
+        # The dead upstream is read from the dead letters; the edge says its failure was counted as done.
+        assert side(dependent.id, True) == [(bad.id, "noop", "dead", "dead"), (good.id, "noop", "running", None)]
+        assert side(dependent.id, True, limit=1) == [(bad.id, "noop", "dead", "dead")]
+        assert side(bad.id, False) == [(dependent.id, "noop", "blocked", "dead")]  # a dead job's dependents
+        assert side(dependent.id, False) == [(after.id, "noop", "blocked", None)]
+        assert side(after.id, False) == []
+        counts = {j.id: backend.driver.edge_counts(conn, j.id) for j in (bad, dependent, after)}
+        assert counts == {bad.id: (0, 1), dependent.id: (2, 1), after.id: (1, 0)}
+        assert [tuple(r) for r in backend.driver.blocked_by_queue(conn)] == [("default", 1), ("graphs", 1)]
