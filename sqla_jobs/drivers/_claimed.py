@@ -27,6 +27,8 @@ class Claimed:
     token: str
     #: Its last worker was lost while it ran: the worker runs it alone (see docs/guarantees.md).
     isolated: bool = False
+    #: Other jobs depend on it (job graphs): its finish counts them down (drivers/postgresql/handoff.py).
+    has_dependents: bool = False
 
     @property
     def fence(self) -> Fence:

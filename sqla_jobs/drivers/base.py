@@ -254,6 +254,7 @@ class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph):
         *,
         alone: bool = False,
         skip_kinds: Sequence[str] = (),
+        upstreams: Sequence[int] = (),
     ) -> tuple[set[int], list[Claimed], bool]:
         """Mark ``fences`` finished and claim up to ``limit`` due jobs (none of ``skip_kinds``).
 
@@ -263,6 +264,8 @@ class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph):
         at a time and with nothing else; ``isolated_waiting`` says such a job was
         among the most urgent ``limit`` and was left, so the worker should drain
         and claim alone. ``skip_kinds``: kinds with limits, which ``drivers._limits.claim_limited`` claims.
+        ``upstreams``: the ids among ``fences`` the worker knows others depend on (``Claimed.has_dependents``);
+        here ``finish`` counts every finished job's dependents down, so they need no special path.
         """
         # The finish first: a dependent it unblocks (drivers/_graph.py) is then claimable by this very claim.
         finished = self.finish(conn, fences)

@@ -62,7 +62,8 @@ class RelayStore(Store):
             return super().finish_and_claim(ok, limit, token, alone, queues, plain)
         if self._finisher is None:
             self._finisher = ThreadPoolExecutor(1, thread_name_prefix="sqla-jobs-relay-finish")
-        finishing = self._finisher.submit(self._finish, [o.job.fence for o in ok])
+        finishing = self._finisher.submit(self._finish, [o.job.fence for o in ok],
+                                          [o.job.id for o in ok if o.job.has_dependents])
         try:
             claimed = super().finish_and_claim([], limit, token, alone, queues, plain)
         except BaseException:
@@ -88,13 +89,13 @@ class RelayStore(Store):
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
 
-    def _finish(self, fences: list[Fence]) -> set[int]:
+    def _finish(self, fences: list[Fence], upstreams: list[int]) -> set[int]:
         """The worker's fenced finish (its statement, with nothing to claim) on the second connection."""
         if self._side is None:
             self._side = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
         try:
             kept, _, _ = self.driver.finish_and_claim(self._side, fences, 0, self.worker_name, "", self.lease,
-                                                      self.queues)
+                                                      self.queues, upstreams=upstreams)
         except DBAPIError:
             side, self._side = self._side, None
             try:

@@ -102,7 +102,7 @@ class Control:
         # It skips the limited kinds' pending jobs one by one, so with a backlog of those each try walks
         # the whole backlog: repeated on every claim, that walk was most of a limited drain's time.
         self._others_idle_until = 0.0
-        self._burst = self._wrote = False  # _wrote: the last exchange wrote outcomes (what it unblocked waits)
+        self._burst = self._wrote = False  # _wrote: the last exchange wrote outcomes
         # Also set by the listener: a cancel request may have come (PostgreSQL's cancel notifies).
         self.cancel_check = False
         self._next_cancel_check = 0.0
@@ -170,8 +170,9 @@ class Control:
                                     self.name, pause, str(exc).splitlines()[0])
                     claimed = 0
                 else:
-                    if claimed and len(ex.running) < self.config.concurrency:
-                        continue  # the table may hold more: claim again without sleeping
+                    # More may be due (a full claim; a burst's writes may have unblocked dependents): no sleep.
+                    if (claimed and len(ex.running) < self.config.concurrency) or (burst and self._wrote):
+                        continue
             if self.stopping:
                 if not ex.live_count and not self._unwritten:
                     return
@@ -179,7 +180,7 @@ class Control:
                     self._hand_back_unfinished()
                     return
             elif (burst and ex.accepting and not ex.live_count and not self._unwritten and not ex.has_outcomes()
-                  and db_failures == 0 and not self._wrote):  # after a write, one more look: what it unblocked
+                  and db_failures == 0):
                 return
             timeout = min(self.config.poll_interval, max(0.0, next_heartbeat - time.monotonic()))
             if self._unwritten_since is not None:

@@ -173,7 +173,7 @@ class Store:
             with self._hot() as conn:
                 kept, jobs, waiting = self.driver.finish_and_claim(
                     conn, fences, limit, self.worker_name, token, self.lease, queues, alone=alone,
-                    skip_kinds=self.limited_kinds,
+                    skip_kinds=self.limited_kinds, upstreams=[o.job.id for o in ok if o.job.has_dependents],
                 )
         elif (fast := self._capped(fences, limit, token, alone, queues, plain)) is not None:
             kept, jobs, waiting, short = fast

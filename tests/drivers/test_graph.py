@@ -294,24 +294,31 @@ def test_other_bad_values_are_refused_when_set(backend: Backend) -> None:
 # -- the race: a dependent added while its upstream's run is being finished --------------------------
 
 
-def test_a_dependent_added_while_the_worker_finishes_its_upstream_is_never_left_blocked(backend: Backend) -> None:
-    """The worker's own write (``Store.finish_and_claim``, PostgreSQL's one-statement hot path included)
-    waits for the adding transaction's lock on the upstream, then either finishes it and counts the new
-    dependent down, or leaves it to ``Driver.finish`` (``Store.finish_declined``), which does. Without the
-    hot statement's ``NOT has_dependents`` the upstream finished and the dependent stayed blocked for ever."""
+@pytest.mark.parametrize("known", [False, True], ids=["no-dependent-at-claim", "a-dependent-at-claim"])
+def test_a_dependent_added_while_the_worker_finishes_its_upstream_is_never_left_blocked(
+        backend: Backend, known: bool) -> None:
+    """The worker's own write (``Store.finish_and_claim``) waits for the adding transaction's lock on the
+    upstream. Then, on PostgreSQL: an upstream the worker knew had dependents (``Claimed.has_dependents``) is
+    finished by the hot statement and counted down by the next statement of its transaction (handoff.py),
+    whose snapshot has the new dependent; one that gained its first dependent after the claim is left by the
+    hot statement (its ``NOT has_dependents``) to ``Driver.finish`` (``Store.finish_declined``). Elsewhere the
+    finish counts down in its transaction. Without the hot statement's test, or without the hand-off
+    statement, the upstream finished and the new dependent stayed blocked for ever (both checked)."""
     import threading
 
     from sqla_jobs.worker.runs import Outcome
     from sqla_jobs.worker.store import Store
 
-    [up] = add(backend, job())
-    [claimed] = claim_all(backend, [up])
+    up = job()
+    first = add(backend, job(depends_on=[up]))[0] if known else add(backend, up) and None
+    [claimed] = claim_all(backend, [up.id])
+    assert claimed.has_dependents == (known and backend.name == "postgresql")  # only PostgreSQL's claim reads it
     store = Store(backend.db.engine, app.queue, backend.driver, "conformance", 60.0, None)
     done: list[Any] = []
     session = Session(backend.db.engine, expire_on_commit=False)
     try:
         with session.begin():
-            dependent = job(depends_on=[up])
+            dependent = job(depends_on=[up.id])
             session.add(dependent)
             session.flush()  # the upstream is locked (marked has_dependents) until this commits
             finisher = threading.Thread(target=lambda: done.append(
@@ -324,7 +331,25 @@ def test_a_dependent_added_while_the_worker_finishes_its_upstream_is_never_left_
         session.close()
         store.close()
     assert done, "the worker's finish did not return"
-    assert (state(backend, up), state(backend, dependent.id)) == ("finished", "pending")
+    assert (state(backend, up.id), state(backend, dependent.id)) == ("finished", "pending")
+    if first is not None:
+        assert state(backend, first) == "pending"
+
+
+def test_a_finish_sent_again_after_its_reply_was_lost_counts_nothing_down_twice(backend: Backend) -> None:
+    """A worker whose connection dropped after its commit sends the same batch again: that finishes nothing,
+    so it counts nothing down (PostgreSQL's hand-off counts only upstreams its own transaction finished)."""
+    a, b = job(), job()
+    [down] = add(backend, job(depends_on=[a, b]))
+    claimed = {c.id: c for c in claim_all(backend, [a.id, b.id])}
+    fences, named = [claimed[a.id].fence], [a.id] if claimed[a.id].has_dependents else []
+    for _ in range(2):
+        in_write(backend, lambda c: backend.driver.finish_and_claim(c, fences, 0, "w", "t", 60.0, None,
+                                                                    upstreams=named))
+    if backend.name == "postgresql":
+        assert named, "PostgreSQL's claim did not say the job has dependents"
+        assert state(backend, a.id) == "finished"
+    assert (state(backend, down), waiting(backend, down)) == ("blocked", 1)
 
 
 def test_an_unblocked_job_is_due_from_the_moment_it_was_unblocked(backend: Backend) -> None:

@@ -93,7 +93,7 @@ WITH cap AS (
 ), alone AS (
     SELECT id FROM due WHERE isolate AND %(alone)s AND {nothing_taken} ORDER BY priority DESC, run_at, id LIMIT 1
 ), """ + CLAIMED + """UNION ALL
-SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
+SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
 WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
 
@@ -210,7 +210,7 @@ def finish_and_claim_capped(conn: Connection, stmts: Statements, hot: str, fence
 
 
 def _claimed(rows: list[Any], token: str) -> tuple[list[Claimed], bool]:
-    jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token, bool(r[9])) for r in rows if r[0]]
+    jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token, bool(r[9]), bool(r[10])) for r in rows if r[0]]
     return jobs, any(r[0] is None for r in rows)
 
 

@@ -36,9 +36,11 @@ CLAIMED = """claimed AS (
         claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
     FROM due WHERE j.id = due.id
         AND (due.id IN (SELECT id FROM alone) OR NOT (due.isolate OR EXISTS (SELECT FROM alone)))
-    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate
+    RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate,
+        j.has_dependents
 )
-SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at, isolate FROM claimed
+SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at, isolate, has_dependents
+FROM claimed
 """
 
 
@@ -56,10 +58,11 @@ def in_transaction(raw: Any) -> bool:
     return raw.info.transaction_status != pq.TransactionStatus.IDLE and not raw.closed
 
 
-def run_claim(raw: Any, sql: str, params: dict[str, Any]) -> list[Any]:
-    """The claim statement's rows, planned with the settings above, on psycopg connection ``raw``."""
+def run_claim(raw: Any, sql: str, params: dict[str, Any], after: tuple[str, dict[str, Any]] | None = None) -> list[Any]:
+    """The claim statement's rows, planned with the settings above, on psycopg connection ``raw``; ``after``:
+    a statement run next in the same transaction (the hand-off to dependents, handoff.py)."""
     if is_async(raw):  # the async worker: we run in its control greenlet, so await
-        return await_only(_run_claim_async(raw, sql, params))
+        return await_only(_run_claim_async(raw, sql, params, after))
     if raw.autocommit and hasattr(raw, "pipeline"):  # the worker's hot connection (psycopg 3): one round trip
         with raw.cursor() as control, raw.cursor() as cursor:
             try:
@@ -67,6 +70,8 @@ def run_claim(raw: Any, sql: str, params: dict[str, Any]) -> list[Any]:
                     control.execute("BEGIN")
                     control.execute(_CLAIM_PLANNER)
                     cursor.execute(sql, params)
+                    if after is not None:
+                        control.execute(*after)
                     control.execute("COMMIT")
             except Exception:
                 if in_transaction(raw):
@@ -78,11 +83,14 @@ def run_claim(raw: Any, sql: str, params: dict[str, Any]) -> list[Any]:
         before = cursor.fetchone()
         cursor.execute(sql, params)
         rows = cursor.fetchall()
+        if after is not None:
+            cursor.execute(*after)
         cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1]))
         return rows
 
 
-async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str, params: dict[str, Any]) -> list[Any]:
+async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str, params: dict[str, Any],
+                           after: tuple[str, dict[str, Any]] | None) -> list[Any]:
     """``run_claim`` on psycopg's async connection: the same statements, the same single round trip."""
     if raw.autocommit:
         async with raw.cursor() as control, raw.cursor() as cursor:
@@ -91,6 +99,8 @@ async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str, params: 
                     await control.execute("BEGIN")
                     await control.execute(_CLAIM_PLANNER)
                     await cursor.execute(sql, params)
+                    if after is not None:
+                        await control.execute(*after)
                     await control.execute("COMMIT")
             except Exception:
                 if in_transaction(raw):
@@ -103,5 +113,7 @@ async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str, params: 
         assert before is not None
         await cursor.execute(sql, params)
         rows = await cursor.fetchall()
+        if after is not None:
+            await cursor.execute(*after)
         await cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1]))
         return rows

@@ -43,7 +43,7 @@ from sqlalchemy.util import await_only
 from ...errors import ConfigError
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
-from . import capped, claim, keepalive, partitions
+from . import capped, claim, handoff, keepalive, partitions
 from .async_listen import PgAsyncListener
 from .bench import PgBench
 from .claim import CLAIMED, run_claim
@@ -69,10 +69,9 @@ __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_t
 # jobs marked `isolate` (their worker was lost while they ran): an idle worker
 # (`alone`) takes the most urgent of those and nothing else; a busy one leaves
 # them and learns of them from the rows with `claimed` NULL. A worker that keeps no finished
-# jobs (Driver.discarding_finished) deletes them in `done` instead. `done` leaves a job that others
-# depend on (`has_dependents`): its finish must count its dependents down in the same transaction, which
-# this statement cannot do (its snapshot predates a dependent added while it waited for the row), so the
-# worker finishes it with Driver.finish in a transaction of its own (Store.finish_declined).
+# jobs (Driver.discarding_finished) deletes them in `done` instead. A job that others depend on is
+# finished here only when the worker names it, and its dependents are counted down by the next statement
+# of the transaction; else it is left to Driver.finish (handoff.py says why).
 _PG_FINISH = {
     False: "UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL\n    FROM",
     True: "DELETE FROM {table} AS j USING",
@@ -83,7 +82,7 @@ WITH done AS (
         SELECT split_part(pair, ':', 1)::bigint AS id, split_part(pair, ':', 2) AS token
         FROM unnest(string_to_array(%(fences)s, ',')) AS pair
     ) AS f
-    WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running' AND NOT j.has_dependents
+    WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running'{dependents}
     RETURNING j.id
 ), due AS MATERIALIZED (
     SELECT id, isolate, priority, run_at FROM {live}
@@ -94,9 +93,9 @@ WITH done AS (
 ), alone AS (
     SELECT id FROM due WHERE isolate AND %(alone)s ORDER BY priority DESC, run_at, id LIMIT 1
 ), """ + CLAIMED + """UNION ALL
-SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
+SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
 UNION ALL
-SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
+SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
 WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
 
@@ -117,13 +116,16 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
         # a plain table or a partitioned one (pg_partitions), claimed from its live partition named
         # directly: a state filter on the parent would let the planner walk the pending index in the UPDATE;
         # finishing by UPDATE or, for a worker that keeps no finished jobs, by DELETE.
-        self._pg_hot = {(by_queue, skip, parted, discard): _PG_FINISH_AND_CLAIM.format(
+        # Twice that: finishing the jobs with dependents the worker names (handoff.py), or leaving them all.
+        self._pg_hot = {(by_queue, skip, parted, discard, named): _PG_FINISH_AND_CLAIM.format(
             finish=_PG_FINISH[discard].format(table=pg_name(jobs)),
             live=partitions.live_name(jobs) if parted else pg_name(jobs),
             queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else "",
             skip_filter=" AND kind <> ALL(%(skip)s::text[])" if skip else "",
+            dependents=handoff.TAKE_FLAGGED if named else handoff.DECLINE,
         ) for by_queue in (False, True) for skip in (False, True) for parted in (False, True)
-            for discard in (False, True)}
+            for discard in (False, True) for named in (False, True)}
+        self._handoff = handoff.handoff_sql(jobs, self.edges)
 
     @property
     def supports_listen(self) -> bool:
@@ -231,9 +233,10 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
         *,
         alone: bool = False,
         skip_kinds: Sequence[str] = (),
+        upstreams: Sequence[int] = (),
     ) -> tuple[set[int], list[Claimed], bool]:
         return self._pg_finish_and_claim(conn, fences, limit, worker, token, lease, queues, ordered=False, alone=alone,
-                                         skip_kinds=skip_kinds)
+                                         skip_kinds=skip_kinds, upstreams=upstreams)
 
     def _pg_finish_and_claim(
         self,
@@ -248,7 +251,9 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
         ordered: bool,
         alone: bool,
         skip_kinds: Sequence[str] = (),
+        upstreams: Sequence[int] = (),
     ) -> tuple[set[int], list[Claimed], bool]:
+        named = bool(upstreams) and not self.discard_finished  # a deleted upstream leaves no row to count from
         params = {
             "fences": ",".join(f"{job_id}:{job_token}" for job_id, job_token in fences),
             "limit": limit,
@@ -258,18 +263,20 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
             "queues": list(queues or ()),
             "alone": alone,
             "skip": list(skip_kinds),
+            "flagged": ",".join(map(str, upstreams)) if named else "",
         }
         # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
         # result machinery was a fifth of the worker's time. Errors are wrapped
         # back into SQLAlchemy's, which is what the worker's retry loop expects.
         sql = self._pg_hot[bool(queues), bool(skip_kinds), partitions.is_partitioned(conn, self.jobs),
-                           self.discard_finished]
+                           self.discard_finished, named]
+        after = (self._handoff, {"flagged": params["flagged"], "channel": self._channel}) if named else None
         if not conn.in_transaction():
             # SQLAlchemy does not see what the driver cursor runs: without this its commit
             # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
             conn.begin()
         try:
-            rows = run_claim(conn.connection.driver_connection, sql, params)
+            rows = run_claim(conn.connection.driver_connection, sql, params, after)
         except Exception as exc:
             if isinstance(exc, conn.dialect.loaded_dbapi.Error):
                 raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
@@ -279,7 +286,7 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
         waiting = any(r[0] is None for r in rows)  # an isolated job was left for an idle worker
         if ordered:  # the worker does not need it: a batch never exceeds its free threads, all start at once
             claimed.sort(key=lambda r: (-r[7], r[8], r[1]))
-        jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token, bool(r[9])) for r in claimed]
+        jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token, bool(r[9]), bool(r[10])) for r in claimed]
         return finished, jobs, waiting
 
     def claim_batch(
@@ -321,7 +328,8 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
 
     def _pg_hot_for(self, conn: Connection, queues: Sequence[str] | None) -> str:
         """The worker's claim statement skipping the limited kinds."""
-        return self._pg_hot[bool(queues), True, partitions.is_partitioned(conn, self.jobs), self.discard_finished]
+        parted = partitions.is_partitioned(conn, self.jobs)
+        return self._pg_hot[bool(queues), True, parted, self.discard_finished, False]
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """COPY, the fastest way in."""
