@@ -24,9 +24,7 @@ medians (``--graphs fan,chain,enqueue`` picks scenarios; all three by default):
   the objects to the commit: without dependencies (``add_all``), as a fan-in (K - 1 upstreams and a join
   depending on all of them, one ``add_all``) and as a chain (each job depending on the one before), the
   three taking turns going first; jobs/s, and the cost of each graph as its time over the plain one's
-  (target <= 1.3). The chain is flushed every ``CHAIN_FLUSH`` links: in one flush, the flush's cycle check
-  (``sqla_jobs._graph._check_cycles``) recurses once per link of new upstreams and a chain of a few
-  thousand new jobs overflows Python's recursion limit.
+  (target <= 1.3), each graph in one ``add_all``, as a user writes it.
 """
 
 from __future__ import annotations
@@ -51,8 +49,6 @@ from .run import _any_unfinished, _pct, _reset, scratch, vars_of, worker_process
 __all__ = ["SCENARIOS", "run_graphs"]
 
 SCENARIOS = ("fan", "chain", "enqueue")
-#: Links of a chain added per flush (see the module docstring).
-CHAIN_FLUSH = 500
 #: Seconds without a job finishing after which a drain is declared stuck: long, since one finish counts down
 #: all of a fan-out's dependents in one statement (minutes for 100,000 on a table without statistics yet).
 STALL = 900.0
@@ -163,13 +159,11 @@ def plain_drain(args: argparse.Namespace, url: Any, engine: Engine, kind: str) -
 
 
 def add_chain(session: Session, kind: str, m: int) -> list[BenchJob]:
-    """``m`` jobs, each depending on the one before, flushed every ``CHAIN_FLUSH`` links."""
+    """``m`` jobs, each depending on the one before, in one ``add_all``."""
     links: list[BenchJob] = []
     for i in range(m):
         links.append(BenchJob(kind=kind, payload={"i": i}, depends_on=links[-1:]))
-        session.add(links[-1])
-        if (i + 1) % CHAIN_FLUSH == 0:
-            session.flush()
+    session.add_all(links)
     return links
 
 

@@ -403,3 +403,17 @@ def test_a_neighbourhood_is_read_with_each_neighbours_state_and_blocked_jobs_are
         counts = {j.id: backend.driver.edge_counts(conn, j.id) for j in (bad, dependent, after)}
         assert counts == {bad.id: (0, 1), dependent.id: (2, 1), after.id: (1, 0)}
         assert [tuple(r) for r in backend.driver.blocked_by_queue(conn)] == [("default", 1), ("graphs", 1)]
+
+
+def test_a_long_chain_of_new_jobs_is_one_flush(backend: Backend) -> None:
+    """The flush's cycle check walks without recursion: 3,000 new links (three times Python's recursion limit)
+    in one ``add_all``; each waits for one upstream, and only the first is due."""
+    links = [job()]
+    for _ in range(2999):
+        links.append(job(depends_on=[links[-1]]))
+    add(backend, *links)
+    t = backend.driver.jobs
+    with backend.db.engine.connect() as conn:
+        counts = dict(conn.execute(select(t.c.state, func.count()).group_by(t.c.state)).all())
+    assert counts == {"pending": 1, "blocked": 2999}
+    assert backend.scalar(select(func.max(t.c.waiting_for)).scalar_subquery()) == 1
