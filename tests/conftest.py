@@ -114,6 +114,18 @@ def require_mariadb() -> None:
         pytest.skip(f"MariaDB unreachable at {MARIADB_URL}: {_MARIADB_PROBLEM}")
 
 
+def server_url(backend: str, sqlite_file: Path) -> str:
+    """The URL a test hands a command that makes its own scratch tables (``bench``): the shared server's, or
+    a SQLite file; requires the server (fails in CI when it is down)."""
+    if backend == "postgresql":
+        require_postgres()
+        return PG_URL
+    if backend == "mariadb":
+        require_mariadb()
+        return MARIADB_URL
+    return f"sqlite:///{sqlite_file}"
+
+
 def _make_mariadb() -> Iterator[Database]:
     """A fresh database per test (MariaDB's schemas are databases), dropped afterwards."""
     require_mariadb()

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests import forkserver
-from tests.conftest import MARIADB_URL, PG_URL, require_mariadb, require_postgres
+from tests.conftest import server_url
 from tests.test_cli import assert_clean_error, clean_env
 
 pytestmark = pytest.mark.slow
@@ -44,20 +44,11 @@ def bench(url: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
                            *args], cwd=cwd, env=clean_env(), capture_output=True, text=True, timeout=300)
 
 
-def server_url(backend: str, tmp_path: Path) -> str:
-    if backend == "postgresql":
-        require_postgres()
-        return PG_URL
-    if backend == "mariadb":
-        require_mariadb()
-        return MARIADB_URL
-    return f"sqlite:///{tmp_path / 'graphs.db'}"
-
 
 @pytest.mark.parametrize("backend", ["postgresql", "sqlite", "mariadb"])
 def test_graphs_print_each_figure_beside_its_peer(backend: str, tmp_path: Path) -> None:
     runs = "2" if backend == "sqlite" else "1"  # two runs once: the scenarios take turns going first
-    result = bench(server_url(backend, tmp_path), tmp_path, "--graphs", *TINY, "--runs", runs)
+    result = bench(server_url(backend, tmp_path / "graphs.db"), tmp_path, "--graphs", *TINY, "--runs", runs)
     assert result.returncode == 0, result.stdout + result.stderr
     header = f"sqla-jobs bench --graphs on {backend}"
     assert header in result.stdout, result.stdout

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests import forkserver
-from tests.conftest import MARIADB_URL, PG_URL, ROOT, require_mariadb, require_postgres
+from tests.conftest import PG_URL, ROOT, require_postgres, server_url
 from tests.test_cli import clean_env
 
 pytestmark = pytest.mark.slow
@@ -33,15 +33,6 @@ def soak(url: str, out: Path, *extra: str, timeout: float = 240) -> subprocess.C
     )
 
 
-def server_url(backend: str, tmp_path: Path) -> str:
-    if backend == "postgresql":
-        require_postgres()
-        return PG_URL
-    if backend == "mariadb":
-        require_mariadb()
-        return MARIADB_URL
-    return f"sqlite:///{tmp_path / 'soak.db'}"
-
 
 # Not in the serial phase: at 40 jobs/s a soak barely loads the machine, and it asserts no time or speed (its
 # producer catches up after a late tick, so the count of jobs it enqueued holds under the parallel phase's load).
@@ -51,7 +42,7 @@ def test_soak_runs_every_job_once_and_reports_each_window(backend: str, tmp_path
     # PostgreSQL also VACUUMs the table by hand and sets a storage parameter: what its driver alone can do.
     pg_only = ("--soak-vacuum", "4s", "--storage", "autovacuum_vacuum_scale_factor=0.01")
     extra = pg_only if backend == "postgresql" else ()
-    result = soak(server_url(backend, tmp_path), out, *extra)
+    result = soak(server_url(backend, tmp_path / "soak.db"), out, *extra)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
 
