@@ -109,7 +109,7 @@ def test_the_ordinary_claim_keeps_its_index_plan(pg: Database) -> None:
         params = {"fences": "", "limit": 4, "worker": "w", "token": "t", "lease": 60.0, "queues": [],
                   "alone": False}
         with conn.connection.driver_connection.cursor() as cursor:  # type: ignore[union-attr]
-            cursor.execute("EXPLAIN " + sql._pg_hot[False, False, False, False], params)
+            cursor.execute("EXPLAIN " + sql._pg_hot[False, False, False, False, False], params)
             plan = "\n".join(r[0] for r in cursor.fetchall())
     assert "ix_jobs_pending" in plan, plan
     assert "Seq Scan on jobs" not in plan, plan
