@@ -39,6 +39,7 @@ The dependencies live in a third table beside the jobs table,
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -59,6 +60,9 @@ _UNFLUSHED: weakref.WeakSet[Any] = weakref.WeakSet()
 _DRIVERS: dict[tuple[type, Table], Driver] = {}
 _ATTRIBUTE = "_sqla_jobs_depends_on"
 _DISTINCT = "_sqla_jobs_upstreams"  # each upstream once, as the flush counted them (its edges, after)
+#: When each job's depends_on was set, in order: a cycle needs a job whose upstream's was set after its own.
+_SET_AT = "_sqla_jobs_set_at"
+_SETS = itertools.count()
 _INFO_KEY = "sqla_jobs_graph"
 
 
@@ -97,6 +101,7 @@ class DependsOn:
             if upstream is job:
                 raise InvalidJob("a job cannot depend on itself")
         job.__dict__[_ATTRIBUTE] = upstreams
+        job.__dict__[_SET_AT] = next(_SETS)
         if upstreams:
             _UNFLUSHED.add(job)
         else:
@@ -215,7 +220,11 @@ def _id_of(upstream: Any) -> Any:
 
 def _check_cycles(dependents: Sequence[Any]) -> None:
     """A cycle can only run through new jobs (an existing job's upstreams are fixed): walk theirs, depth first
-    without recursion (a chain of 10,000 new jobs is 10,000 deep)."""
+    without recursion (a chain of 10,000 new jobs is 10,000 deep). Not at all when every new job's upstreams
+    got their own ``depends_on`` before it did (or none): along such edges that moment only goes back, so
+    they cannot close a loop. That is how graphs are built, upstreams first."""
+    if all(job.__dict__[_SET_AT] > u.__dict__.get(_SET_AT, -1) for job in dependents for u in _new_upstreams(job)):
+        return
     done: set[int] = set()
     for start in dependents:
         if id(start) in done:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -38,15 +38,15 @@ from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
-from sqlalchemy.util import await_only
 
 from ...errors import ConfigError
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
-from . import capped, claim, handoff, keepalive, partitions
+from . import capped, handoff, keepalive, partitions
 from .async_listen import PgAsyncListener
 from .bench import PgBench
 from .claim import CLAIMED, run_claim
+from .copy import copy_rows
 from .listen import PgListener
 from .notify import notify_channel, notify_trigger_ddl, notify_trigger_name, pg_name
 from .partitions import PartitionedMode
@@ -54,7 +54,6 @@ from .schema import PgSchema
 from .vacuum import PgVacuum
 
 if TYPE_CHECKING:
-    import psycopg
     from sqlalchemy.ext.asyncio import AsyncEngine
 
 __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_trigger_name"]
@@ -333,20 +332,13 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """COPY, the fastest way in."""
-        target = conn.dialect.identifier_preparer.format_table(self.jobs)
-        if not conn.in_transaction():
-            # SQLAlchemy does not see what the driver cursor runs: without this its commit would be a no-op.
-            conn.begin()
-        raw = conn.connection.driver_connection
         for columns, batch in self._insert_batches(rows):
-            sql = f"COPY {target} ({', '.join(columns)}) FROM STDIN"
-            values = ([r[c] for c in columns] for r in batch)
-            if claim.is_async(raw):  # queue.aio: we run in run_sync's greenlet, so await
-                await_only(_copy_async(raw, sql, values))
-            else:
-                with raw.cursor().copy(sql) as copy:  # type: ignore[union-attr]
-                    for value in values:
-                        copy.write_row(value)
+            copy_rows(conn, self.jobs, columns, ([r[c] for c in columns] for r in batch))
+
+    def add_edges(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
+        """COPY too: a fan-in's 10,000 edges took a third of its flush as INSERTs."""
+        columns = ("downstream_id", "position", "upstream_id")
+        copy_rows(conn, self.edges, columns, ([r[c] for c in columns] for r in rows))
 
     def payload_value(self, text: str) -> ColumnElement[Any]:
         return cast(literal(text, Text()), JSONB())
@@ -385,10 +377,3 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
             .order_by(t.c.kind)
         )
         return [(r.kind, r.count, float(r.mean), float(r.p50), float(r.p95), float(r.max)) for r in conn.execute(stmt)]
-
-
-async def _copy_async(raw: psycopg.AsyncConnection[Any], sql: str, values: Iterator[list[Any]]) -> None:
-    """``COPY ... FROM STDIN`` through psycopg's async connection (``postgresql+psycopg`` under asyncio)."""
-    async with raw.cursor() as cursor, cursor.copy(sql) as copy:
-        for value in values:
-            await copy.write_row(value)
