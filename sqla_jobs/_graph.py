@@ -40,6 +40,7 @@ The dependencies live in a third table beside the jobs table,
 from __future__ import annotations
 
 import itertools
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -57,6 +58,8 @@ __all__ = ["DependsOn", "check_policy", "register_tables"]
 _DEAD: weakref.WeakKeyDictionary[Table, Table] = weakref.WeakKeyDictionary()
 #: Jobs given ``depends_on`` and not flushed yet: a flush looks only at these, not at every new object.
 _UNFLUSHED: weakref.WeakSet[Any] = weakref.WeakSet()
+#: Sessions in other threads add and flush at the same time: a WeakSet must not change while it is copied.
+_UNFLUSHED_LOCK = threading.Lock()
 _DRIVERS: dict[tuple[type, Table], Driver] = {}
 _ATTRIBUTE = "_sqla_jobs_depends_on"
 _DISTINCT = "_sqla_jobs_upstreams"  # each upstream once, as the flush counted them (its edges, after)
@@ -102,10 +105,11 @@ class DependsOn:
                 raise InvalidJob("a job cannot depend on itself")
         job.__dict__[_ATTRIBUTE] = upstreams
         job.__dict__[_SET_AT] = next(_SETS)
-        if upstreams:
-            _UNFLUSHED.add(job)
-        else:
-            _UNFLUSHED.discard(job)
+        with _UNFLUSHED_LOCK:
+            if upstreams:
+                _UNFLUSHED.add(job)
+            else:
+                _UNFLUSHED.discard(job)
 
 
 def _is_job(value: Any) -> bool:
@@ -126,7 +130,9 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
     """Check the new dependents of this flush and set their state and count before their INSERT."""
     if not _UNFLUSHED:
         return
-    mine = [job for job in list(_UNFLUSHED)
+    with _UNFLUSHED_LOCK:
+        unflushed = list(_UNFLUSHED)
+    mine = [job for job in unflushed
             if (state := instance_state(job)).session_id == session.hash_key and state.key is None]
     if not mine:
         return
@@ -265,6 +271,7 @@ def _after_flush(session: Session, flush_context: UOWTransaction) -> None:
         rows = by_table.setdefault(type(job).__table__, [])
         rows.extend({"downstream_id": job.id, "position": position, "upstream_id": _id_of(upstream)}
                     for position, upstream in enumerate(job.__dict__.pop(_DISTINCT)))
-        _UNFLUSHED.discard(job)
+        with _UNFLUSHED_LOCK:
+            _UNFLUSHED.discard(job)
     for jobs, rows in by_table.items():
         _driver(conn, jobs).add_edges(conn, rows)
