@@ -19,7 +19,9 @@ from .cluster import PrivateCluster
 from .conftest import Workers
 from .harness import WorkerProc, effects, wait_for
 
-pytestmark = pytest.mark.slow
+# Serial: four worker processes, eight SIGKILLs and a server crash load the 2-core machine for half a minute,
+# which the parallel phase's timing-bound tests (the fencing ones: a 6 s lease) must not share.
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 FAN = 10_000
 PROCESSES = 4
