@@ -151,3 +151,31 @@ def test_a_dependent_is_not_left_blocked_when_its_upstream_finishes_between_the_
 def _state(db: Database, job_id: int) -> str | None:
     with Session(db.engine) as session:
         return session.scalar(select(app.Job.state).where(app.Job.id == job_id))
+
+
+def test_an_unblocked_job_wakes_a_listening_worker_at_once(pg: Database) -> None:
+    """PostgreSQL: the transaction that counts a dependent down to 0 notifies the listening workers, so one that
+    polls only every 30 s runs the dependent at once (point 2 of issue 33)."""
+    import threading
+    import time
+
+    from sqla_jobs import Worker
+
+    app.queue.create_tables(pg.engine)
+    worker = Worker(pg.engine, app.queue, concurrency=2, poll_interval=30, listen=True)
+    thread = threading.Thread(target=lambda: worker.run(install_signals=False))
+    thread.start()
+    try:
+        time.sleep(1.0)  # listening
+        with Session(pg.engine, expire_on_commit=False) as session, session.begin():
+            first = app.Job(kind="noop", payload={})
+            second = app.Job(kind="noop", payload={}, depends_on=[first])
+            session.add(second)
+        began = time.monotonic()
+        while _state(pg, second.id) != "finished" and time.monotonic() - began < 15:
+            time.sleep(0.05)
+        waited = time.monotonic() - began
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert _state(pg, second.id) == "finished" and waited < 10, f"the dependent waited {waited:.1f}s for a poll"
