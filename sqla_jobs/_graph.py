@@ -180,7 +180,7 @@ def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
     states = driver.lock_upstreams(conn, sorted(existing)) if existing else {}
     missing = existing - states.keys()
     if missing:
-        dead = driver.dead_ids(conn, _DEAD[jobs], sorted(missing)) if jobs in _DEAD else set()
+        dead = driver.dead_ids(conn, sorted(missing)) if jobs in _DEAD else set()
         first = min(missing)
         if first in dead:
             raise InvalidJob(f"a new job depends on job {first}, which is in the dead letters: requeue it first "

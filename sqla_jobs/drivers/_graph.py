@@ -135,11 +135,12 @@ class Graph:
             states.update({r.id: r.state for r in rows})
         return states
 
-    def dead_ids(self, conn: Connection, dead: Table, ids: Sequence[int]) -> set[int]:
-        """Which of ``ids`` are in the dead-letter table ``dead``."""
+    def dead_ids(self, conn: Connection, ids: Sequence[int]) -> set[int]:
+        """Which of ``ids`` are in the dead-letter table."""
+        d = self.dead
         found: set[int] = set()
         for chunk in _chunks(sorted(set(ids))):
-            found.update(conn.scalars(select(dead.c.id).where(dead.c.id.in_(chunk))))
+            found.update(conn.scalars(select(d.c.id).where(d.c.id.in_(chunk))))
         return found
 
     def add_edges(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
@@ -274,14 +275,6 @@ class Graph:
         stmt = (select(e.c.position, e.c.upstream_id.label("id"), t.c.state, t.c.result, e.c.ended)
                 .select_from(e.outerjoin(t, t.c.id == e.c.upstream_id))
                 .where(e.c.downstream_id == job_id).order_by(e.c.position))
-        return list(conn.execute(stmt))
-
-    def dependents(self, conn: Connection, job_id: int) -> list[Any]:
-        """The jobs that depend on ``job_id``: (``id``, ``state``), by id."""
-        e, t = self.edges, self.jobs
-        stmt = (select(e.c.downstream_id.label("id"), t.c.state)
-                .select_from(e.outerjoin(t, t.c.id == e.c.downstream_id))
-                .where(e.c.upstream_id == job_id).order_by(e.c.downstream_id))
         return list(conn.execute(stmt))
 
     # -- showing a graph (the CLI, the dashboard, stats) --------------------------------------

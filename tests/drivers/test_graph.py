@@ -72,7 +72,7 @@ def test_a_dependent_of_new_jobs_is_blocked_and_counts_them(backend: Backend) ->
     with backend.db.engine.connect() as conn:
         ups = backend.driver.upstreams(conn, merge_id)
         assert [(u.position, u.id) for u in ups] == list(enumerate(page_ids))
-        assert [d.id for d in backend.driver.dependents(conn, page_ids[0])] == [merge_id]
+        assert [d.id for d in backend.driver.neighbours(conn, page_ids[0], upstream=False)] == [merge_id]
     # The claim never sees a blocked job.
     assert sorted(c.id for c in backend.claim(100)) == sorted(page_ids)
 
@@ -417,3 +417,29 @@ def test_a_long_chain_of_new_jobs_is_one_flush(backend: Backend) -> None:
         counts = dict(conn.execute(select(t.c.state, func.count()).group_by(t.c.state)).all())
     assert counts == {"pending": 1, "blocked": 2999}
     assert backend.scalar(select(func.max(t.c.waiting_for)).scalar_subquery()) == 1
+
+
+def test_an_upstream_of_another_jobs_table_is_refused(backend: Backend) -> None:
+    """A dependency stays within one jobs table: its count and edges are that table's."""
+    from sqlalchemy.orm import DeclarativeBase
+
+    from sqla_jobs import JobMixin
+
+    class Other(DeclarativeBase):
+        pass
+
+    class OtherJob(JobMixin, Other):
+        __tablename__ = "other_jobs"
+
+    _rejected(backend, "depends on a job of table 'other_jobs', not 'jobs'",
+              job(depends_on=[OtherJob(kind="noop", payload={})]))
+
+
+def test_a_unique_job_is_an_upstream_like_any_other(backend: Backend) -> None:
+    """Unique jobs (and periodic slots, which are unique jobs) as members of a graph: the key stays on the upstream."""
+    with Session(backend.db.engine) as session, session.begin():
+        held = app.queue.enqueue_unique(session, "noop", {}, unique_key="report:today", run_at=PAST)
+    [down] = add(backend, job(depends_on=[held.id]))
+    assert (state(backend, down), waiting(backend, down)) == ("blocked", 1)
+    finish(backend, claim_all(backend, [held.id]))
+    assert state(backend, down) == "pending"
