@@ -83,9 +83,10 @@ class AsyncAdmin(Generic[J]):
                        unique_states=unique_states, unique_period=unique_period, **fields)
         return await _run(session, "enqueue_unique", call)
 
-    async def enqueue_many(self, session: AsyncSession, jobs: Iterable[Mapping[str, Any]]) -> int:
+    async def enqueue_many(self, session: AsyncSession, jobs: Iterable[Mapping[str, Any]], *,
+                           batch: Any = None) -> int:
         """``queue.enqueue_many`` on an ``AsyncSession`` (COPY on PostgreSQL); returns how many were inserted."""
-        return await _run(session, "enqueue_many", partial(self._admin.enqueue_many, jobs=jobs))
+        return await _run(session, "enqueue_many", partial(self._admin.enqueue_many, jobs=jobs, batch=batch))
 
     # -- reads -------------------------------------------------------------------
 
