@@ -47,6 +47,7 @@ from .admin import (
     cmd_prune,
     cmd_stats,
 )
+from .batches import add_batch_commands
 from .dashboard import add_dashboard_parser
 from .migrations import add_migrations_parser
 from .options import Parser, common_options, iter_commands, job_id_argument, json_flag, not_negative, positive
@@ -210,6 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", help="requeue every dead job of this kind")
     p.add_argument("--all", action="store_true", help="requeue every dead job")
     p.set_defaults(func=cmd_dead_retry)
+
+    add_batch_commands(sub, common_options, json_flag, positive)
 
     p = sub.add_parser("bench", help="measure enqueue, drain and pickup latency on a scratch schema or file")
     common_options(p, app=False)
