@@ -107,6 +107,14 @@ class AsyncAdmin(Generic[J]):
         """``queue.get_job``: the job's row, or None."""
         return await _run(session, "get_job", partial(self._admin.get_job, job_id=job_id))
 
+    async def batch(self, session: AsyncSession, batch_id: int) -> Any:
+        """``queue.batch``: how a batch stands (``BatchStatus``), or None."""
+        return await _run(session, "batch", partial(self._admin.batch, batch_id=batch_id))  # type: ignore[attr-defined]
+
+    async def batches(self, session: AsyncSession, *, limit: int = 50, before: int | None = None) -> Any:
+        """``queue.batches``: the newest batches (``BatchSummary``)."""
+        return await _run(session, "batches", partial(self._admin.batches, limit=limit, before=before))  # type: ignore[attr-defined]
+
     async def get_dead(self, session: AsyncSession, job_id: int) -> Any:
         """``queue.get_dead``: the dead job's row, or None."""
         return await _run(session, "get_dead", partial(self._admin.get_dead, job_id=job_id))
