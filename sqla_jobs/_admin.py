@@ -50,6 +50,7 @@ class Admin(Generic[J]):
 
     if TYPE_CHECKING:  # provided by JobQueue (sqla_jobs._app) and its registry half
         handlers: dict[str, Handler]
+        tracing: Any  # the registry's: None, or what sqla_jobs.otel.instrument set
 
         def driver(self, bind: Engine | Connection) -> Driver: ...
 
@@ -123,10 +124,9 @@ class Admin(Generic[J]):
         appends the period's start to the key and keeps finished jobs holding
         it: at most one job per key per period. The database's unique index
         decides, so concurrent callers in any number of processes get exactly
-        one row. ``on_duplicate`` says what a duplicate does to a *pending* holder: ``"keep"`` (nothing),
-        ``"replace"`` (the new payload), ``"debounce"`` (the new payload, and ``run_at`` pushed out to this
-        call's, which it needs); a running holder is never changed (``Enqueued.updated`` is then False).
-        See docs/howto/unique-jobs.md.
+        one row. ``on_duplicate``: what a duplicate does to a *pending* holder, ``"keep"`` (nothing), ``"replace"``
+        (the new payload), ``"debounce"`` (the new payload and, later, ``run_at``: it needs one); a running holder
+        is never changed (``Enqueued.updated`` is False). See docs/howto/unique-jobs.md.
         """
         _not_async(session, "enqueue_unique")
         check_key(unique_key)  # a bad key fails here, whichever path it takes
@@ -154,6 +154,8 @@ class Admin(Generic[J]):
     def _checked_row(self, item: Mapping[str, Any]) -> dict[str, Any]:
         row = check_row(self.job_model, item)  # the payload comes back encoded, once
         self.check_job(SimpleNamespace(**{**row, "payload": as_payload(item.get("payload", {}))}))
+        if self.tracing is not None:  # sqla_jobs.otel: the caller's span, as JSON text like the payload
+            row["trace_context"] = self.tracing.carrier()
         return row
 
     def enqueue_many(self, session: Session, jobs: Iterable[Mapping[str, Any]]) -> int:

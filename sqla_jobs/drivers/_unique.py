@@ -54,6 +54,8 @@ class Uniqueness:
         values["payload"] = self.payload_value(row["payload"])
         if row.get("run_at") is not None:
             values["run_at"] = row["run_at"]
+        if row.get("trace_context") is not None:  # JSON text, as the payload (sqla_jobs.otel)
+            values["trace_context"] = self.payload_value(row["trace_context"])
         return values
 
     def is_duplicate_key(self, exc: IntegrityError) -> bool:
