@@ -7,6 +7,7 @@ The relay's headers are tested in tests/relay/test_relay_tracing.py.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import Session
 
-from sqla_jobs import Worker
+from sqla_jobs import AsyncWorker, JobQueue, Worker
 from sqla_jobs.errors import ConfigError
 from sqla_jobs.otel import QueueMeter, instrument, uninstrument
 from tests import app
@@ -152,6 +153,45 @@ def test_a_worker_process_runs_each_attempt_in_a_span_of_the_enqueuing_trace(
 
     alone = found[(str(untraced.id), 1)]  # enqueued outside any span: a root, no link
     assert alone["parent_id"] is None and alone["links"] == [] and alone["context"]["trace_id"] != trace_id
+
+
+@pytest.mark.parametrize("worker", ["thread", "async"])
+def test_the_handler_runs_inside_its_span_in_both_executors(db: Database, worker: str) -> None:
+    """The job's span is current in the handler, sync or async, under Worker and AsyncWorker: its spans are
+    children; and the first attempt's span is the enqueuing span's child there too."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracer_ = provider.get_tracer("tests")
+    queue = JobQueue(app.Job, app.DeadJob, check_kinds=False)  # its check stays on the model: it must pass all
+
+    @queue.handler("plain")
+    def plain(payload: dict[str, Any]) -> None:
+        with tracer_.start_as_current_span("inside plain"):
+            pass
+
+    @queue.handler("coroutine")
+    async def coroutine(payload: dict[str, Any]) -> None:
+        with tracer_.start_as_current_span("inside coroutine"):
+            await asyncio.sleep(0)
+
+    instrument(queue, tracer_provider=provider)
+    try:
+        with tracer_.start_as_current_span("request") as request, Session(db.engine) as session, session.begin():
+            queue.enqueue_many(session, [{"kind": "plain"}, {"kind": "coroutine"}])
+        if worker == "thread":
+            Worker(db.engine, queue).run(burst=True)
+        else:
+            run(db, lambda engine: AsyncWorker(engine, queue, poll_interval=0.05).run(burst=True))
+    finally:
+        uninstrument(queue)
+    spans = {span.name: span for span in exporter.get_finished_spans()}
+    jobs = [span for span in exporter.get_finished_spans() if span.name == "process default"]
+    assert len(jobs) == 2
+    for job_span in jobs:
+        assert job_span.parent is not None and job_span.parent.span_id == request.get_span_context().span_id
+        inside = spans[f"inside {job_span.attributes['sqla_jobs.job.kind']}"]
+        assert inside.parent is not None and inside.parent.span_id == job_span.context.span_id
 
 
 def test_retries_must_be_link_or_parent() -> None:
