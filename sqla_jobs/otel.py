@@ -95,9 +95,26 @@ def uninstrument(queue: JobQueue[Any, Any]) -> None:
 
 def current_context() -> dict[str, str] | None:
     """The W3C trace context of the current span (``traceparent``, ``tracestate``), or None if there is none."""
+    return _encoded(trace.get_current_span().get_span_context())[0]
+
+
+#: The last span context seen and its two forms: ``enqueue_many`` and a flush of many jobs ask once per row,
+#: almost always inside one span. One tuple, replaced whole, so threads never see half of an update.
+_last: tuple[Any, dict[str, str] | None, str | None] = (None, None, None)
+
+
+def _encoded(span_context: Any) -> tuple[dict[str, str] | None, str | None]:
+    """``span_context`` as the stored dict and its JSON text; (None, None) when it is not valid (no span)."""
+    global _last
+    last = _last
+    if last[0] is span_context:
+        return last[1], last[2]
     carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier)
-    return carrier or None
+    if span_context.is_valid:
+        _PROPAGATOR.inject(carrier, trace.set_span_in_context(trace.NonRecordingSpan(span_context)))
+    found = (carrier, json.dumps(carrier, separators=(",", ":"))) if carrier else (None, None)
+    _last = (span_context, *found)
+    return found
 
 
 class _Tracing:
@@ -114,12 +131,11 @@ class _Tracing:
         if instance_dict(target).get("trace_context") is None:
             found = current_context()
             if found is not None:
-                target.trace_context = found
+                target.trace_context = dict(found)  # its own copy: the cached one is shared
 
     def carrier(self) -> str | None:
         """The current span's context as JSON text, for a row of ``enqueue_unique`` / ``enqueue_many``."""
-        found = current_context()
-        return None if found is None else json.dumps(found, separators=(",", ":"))
+        return _encoded(trace.get_current_span().get_span_context())[1]
 
     # -- run ---------------------------------------------------------------------------------------
 
