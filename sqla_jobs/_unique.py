@@ -89,7 +89,7 @@ def insert_or_update(driver: Driver, conn: Connection, row: dict[str, Any],
     if new_id is not None or on_duplicate == "keep":
         return new_id, False
     run_at = row["run_at"] if on_duplicate == "debounce" else None
-    return None, driver.update_holder(conn, row["unique_key"], row["payload"], run_at)
+    return None, driver.update_holder(conn, row["unique_key"], row["payload"], run_at, row.get("trace_context"))
 
 
 def check_states(states: Any) -> tuple[str, ...]:

@@ -89,6 +89,17 @@ def test_every_enqueue_path_stores_the_current_span_and_none_without_one(
         assert found[path] == {"traceparent": scenario.parent}, path  # type: ignore[attr-defined]
 
 
+def test_a_replacing_duplicate_gives_the_holder_its_trace_and_a_kept_one_does_not(
+        db: Database, tracer: tuple[Tracer, InMemorySpanExporter]) -> None:
+    tracer_, _ = tracer
+    for name, on_duplicate in (("first", "keep"), ("kept", "keep"), ("replaced", "replace")):
+        with tracer_.start_as_current_span(name) as span, Session(db.engine) as session, session.begin():
+            app.queue.enqueue(session, "noop", {"path": "k"}, unique_key="k", on_duplicate=on_duplicate)
+        if name != "kept":
+            expected = {"traceparent": traceparent(span)}
+        assert stored(db) == {"k": expected}, name
+
+
 def test_without_instrument_nothing_is_stored(db: Database) -> None:
     from opentelemetry.sdk.trace import TracerProvider
 

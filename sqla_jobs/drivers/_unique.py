@@ -88,11 +88,15 @@ class Uniqueness:
             stmt = stmt.with_for_update(**self.holder_lock)
         return conn.execute(stmt).scalar()
 
-    def update_holder(self, conn: Connection, key: str, payload: str, run_at: datetime | None) -> bool:
+    def update_holder(self, conn: Connection, key: str, payload: str, run_at: datetime | None,
+                      trace_context: str | None = None) -> bool:
         """Give the pending job holding ``key`` this ``payload`` (JSON text) and, with ``run_at``, push its
-        ``run_at`` out to it (never earlier); False when no pending job holds the key (it runs, or ended)."""
+        ``run_at`` out to it (never earlier); False when no pending job holds the key (it runs, or ended).
+        A ``trace_context`` (JSON text) replaces the holder's: its run joins the trace of the latest enqueue."""
         t = self.jobs
         values: dict[str, Any] = {"payload": self.payload_value(payload)}
+        if trace_context is not None:
+            values["trace_context"] = self.payload_value(trace_context)
         if run_at is not None:
             later = literal(run_at, t.c.run_at.type)
             values["run_at"] = case((t.c.run_at < later, later), else_=t.c.run_at)
