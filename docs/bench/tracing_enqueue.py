@@ -70,7 +70,7 @@ def main() -> None:
             Base.metadata.create_all(engine)
             for mode in args.modes.split(","):
                 span: Callable[[], Any] = nullcontext
-                if queue.tracing is not None:  # off: as an app that never called instrument
+                if getattr(queue, "tracing", None) is not None:  # off: as an app that never called instrument
                     from sqla_jobs.otel import uninstrument
 
                     uninstrument(queue)
