@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -94,8 +95,9 @@ def test_bad_on_duplicate_is_refused_before_anything_is_written(db: Database) ->
     assert count(db.engine, app.Job) == 0
 
 
-# Each enqueuer process: 4 threads, each debouncing every key again and again for a while, each call in
-# its own transaction; then the process prints how many calls it made.
+# Each enqueuer process: 4 threads, each debouncing every key again and again for 2 s, each call in
+# its own transaction; then the process prints how many calls it made and the errors any of them raised
+# (none may: a duplicate never fails the caller's transaction, a deadlock included).
 ENQUEUER = textwrap.dedent('''
     import os, sys, threading, time
     from datetime import datetime, timedelta, timezone
@@ -103,31 +105,46 @@ ENQUEUER = textwrap.dedent('''
     from sqlalchemy.orm import Session
     from tests import app
 
-    keys, runs, delay, until = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
+    keys, runs, delay, go = int(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
     engine = create_engine(os.environ["SQLA_JOBS_URL"], pool_size=4,
                            **({"connect_args": {"timeout": 60}} if "sqlite" in os.environ["SQLA_JOBS_URL"] else {}))
-    calls = []
+    open(f"{go}.ready-{os.getpid()}", "w").close()
+    while not os.path.exists(go):  # all enqueuers start together, however slowly each process came up
+        time.sleep(0.01)
+    until = time.time() + 2.0
+    calls, errors = [], []
 
     def debounce(n):
         while time.time() < until:
             for key in range(keys):
-                with Session(engine) as session, session.begin():
-                    run_at = datetime.now(timezone.utc) + timedelta(seconds=delay)
-                    app.queue.enqueue(session, "debounced", {"runs": runs, "n": f"{os.getpid()}-{n}"},
-                                      unique_key=f"reindex-{key}", on_duplicate="debounce", run_at=run_at)
+                try:
+                    with Session(engine) as session, session.begin():
+                        run_at = datetime.now(timezone.utc) + timedelta(seconds=delay)
+                        app.queue.enqueue(session, "debounced", {"runs": runs, "n": f"{os.getpid()}-{n}"},
+                                          unique_key=f"reindex-{key}", on_duplicate="debounce", run_at=run_at)
+                except Exception as exc:
+                    errors.append(repr(exc)[:300])
                 calls.append(1)
             time.sleep(0.02)
 
     threads = [threading.Thread(target=debounce, args=(n,)) for n in range(4)]
     for t in threads: t.start()
     for t in threads: t.join()
-    print(len(calls))
+    print(len(calls), len(errors), errors[:3])
 ''')
+
+
+def _keep_debouncing(db: Database, keys: int, runs: Path, delay: float, stop: threading.Event) -> None:
+    while not stop.wait(0.2):
+        with Session(db.engine) as session, session.begin():
+            for key in range(keys):
+                app.queue.enqueue(session, "debounced", {"runs": str(runs), "n": "keeper"},
+                                  unique_key=f"reindex-{key}", on_duplicate="debounce", run_at=_later(delay))
 
 
 @pytest.mark.slow
 def test_debounced_keys_run_once_after_the_last_enqueue_under_four_workers(db: Database, tmp_path: Path) -> None:
-    keys, delay = 4, 3.0
+    keys, delay = 4, 4.0
     runs = tmp_path / "runs.txt"
     runs.touch()
     command = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", "tests.app:queue",
@@ -138,14 +155,29 @@ def test_debounced_keys_run_once_after_the_last_enqueue_under_four_workers(db: D
         with open(log, "w") as out:
             workers.append(forkserver.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=out))
     try:
-        until = time.time() + 2.0
-        enqueuers = [forkserver.Popen([sys.executable, "-c", ENQUEUER, str(keys), str(runs), str(delay), str(until)],
+        go = tmp_path / "go"
+        enqueuers = [forkserver.Popen([sys.executable, "-c", ENQUEUER, str(keys), str(runs), str(delay), str(go)],
                                       env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True) for _ in range(2)]
-        outs = [p.communicate(timeout=120) for p in enqueuers]
+        ends = time.monotonic() + 60
+        while len(list(tmp_path.glob("go.ready-*"))) < 2:
+            assert time.monotonic() < ends and all(p.poll() is None for p in enqueuers), "enqueuers did not start"
+            time.sleep(0.05)
+        go.touch()
+        # This process debounces too, until the last enqueue below: the jobs must not come due in the gap
+        # between the enqueuers' end and that last enqueue (a loaded machine can make it seconds long).
+        stop = threading.Event()
+        keeper = threading.Thread(target=_keep_debouncing, args=(db, keys, runs, delay, stop))
+        keeper.start()
+        try:
+            outs = [p.communicate(timeout=120) for p in enqueuers]
+        finally:
+            stop.set()
+            keeper.join()
         for proc, (_, err) in zip(enqueuers, outs, strict=True):
             assert proc.returncode == 0, err
         calls = sum(int(out.split()[0]) for out, _ in outs)
+        assert [out.split(maxsplit=1)[1] for out, _ in outs] == ["0 []\n", "0 []\n"], outs
         assert calls >= 2 * 4 * keys  # every thread debounced every key at least once
         # The last enqueue of each key, after all the concurrent ones: its payload is the one that must run.
         last_at = {}

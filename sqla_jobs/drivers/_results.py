@@ -81,7 +81,6 @@ class Flow:
         row = conn.execute(select(t.c.state, t.c.result).where(t.c.id == job_id)).first()
         return None if row is None else (str(row.state), row.result)
 
-
     def trace_contexts(self, conn: Connection, ids: Sequence[int]) -> dict[int, dict[str, str]]:
         """The stored trace context (``traceparent``, ``tracestate``) of each of these jobs that has one."""
         if not ids:
