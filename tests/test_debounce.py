@@ -18,7 +18,9 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from sqlalchemy import select
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from sqlalchemy import create_engine, delete, select
 from sqlalchemy.orm import Session
 
 from sqla_jobs import InvalidJob
@@ -53,6 +55,35 @@ def test_keep_replace_and_debounce_on_a_pending_holder(db: Database) -> None:
         job = session.get(app.Job, first.id)
         assert job is not None and job.payload == {"n": 5} and abs((utc(job.run_at) - pushed).total_seconds()) < 0.01
     assert count(db.engine, app.Job) == 1
+
+
+BASE = datetime(2030, 1, 1, tzinfo=timezone.utc)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["keep", "replace", "debounce"]), st.integers(0, 10_000)),
+                min_size=1, max_size=8))
+def test_any_sequence_of_duplicates_leaves_the_payload_and_run_at_the_model_says(
+        tmp_path: Path, calls: list[tuple[str, int]]) -> None:
+    """The first call inserts; then keep changes nothing, replace the payload, debounce the payload and run_at
+    (to the later of the two). SQLite here: the statements are the same on every backend (the driver suite)."""
+    engine = create_engine(f"sqlite:///{tmp_path}/property.db")
+    app.queue.create_tables(engine)
+    with engine.begin() as conn:
+        conn.execute(delete(app.Job.__table__))
+    payload, run_at = None, None
+    for n, (mode, seconds) in enumerate(calls):
+        at = BASE + timedelta(seconds=seconds)
+        with Session(engine, expire_on_commit=False) as session, session.begin():
+            app.queue.enqueue_unique(session, "noop", {"n": n}, unique_key="k", on_duplicate=mode, run_at=at)
+        if n == 0 or mode != "keep":
+            payload = {"n": n}
+        if n == 0 or (mode == "debounce" and at > run_at):  # type: ignore[operator]
+            run_at = at
+    with Session(engine) as session:
+        [job] = session.scalars(select(app.Job)).all()
+        assert (job.payload, utc(job.run_at)) == (payload, run_at)
+    engine.dispose()
 
 
 def test_a_running_holder_is_never_changed(db: Database) -> None:
