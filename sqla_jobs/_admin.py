@@ -28,9 +28,9 @@ from ._fields import check_row
 from ._models import STATES, JobMixin
 from ._stats import QueueStats, collect
 from ._typed import as_payload
-from ._unique import PERIOD_UNIQUE_STATES, Enqueued, check_key, period_key
+from ._unique import PERIOD_UNIQUE_STATES, Enqueued, check_key, check_on_duplicate, insert_or_update, period_key
 from .drivers import Driver
-from .errors import ConfigError, JobStateError, NotFound
+from .errors import ConfigError, InvalidJob, JobStateError, NotFound
 
 if TYPE_CHECKING:
     from ._registry import Handler
@@ -51,6 +51,7 @@ class Admin(Generic[J]):
 
     if TYPE_CHECKING:  # provided by JobQueue (sqla_jobs._app) and its registry half
         handlers: dict[str, Handler]
+        tracing: Any  # the registry's: None, or what sqla_jobs.otel.instrument set
 
         def driver(self, bind: Engine | Connection) -> Driver: ...
 
@@ -89,14 +90,14 @@ class Admin(Generic[J]):
     # -- enqueue, in the caller's transaction ----------------------------------------
 
     def enqueue(self, session: Session, kind: str, payload: dict[str, Any] | None = None, **fields: Any) -> J:
-        """Add a job to ``session`` (same as ``session.add(Job(...))``) and return it.
-
-        With ``unique_key=`` it is ``enqueue_unique(...).job``: the new job, or
-        the one that holds the key; a duplicate never fails the transaction.
-        """
+        """Add a job to ``session`` (same as ``session.add(Job(...))``) and return it. With ``unique_key=`` it
+        is ``enqueue_unique(...).job``: the new job, or the one that holds the key; a duplicate never fails the
+        transaction."""
         if fields.get("unique_key") is not None:
             _not_async(session, "enqueue")
             return self.enqueue_unique(session, kind, payload, **fields).job
+        if "on_duplicate" in fields:
+            raise InvalidJob("on_duplicate was given without a unique_key: set unique_key too, or drop it")
         job = self.job_model(kind=kind, payload={} if payload is None else payload, **fields)
         session.add(job)
         return job
@@ -110,6 +111,7 @@ class Admin(Generic[J]):
         unique_key: str,
         unique_states: Sequence[str] | None = None,
         unique_period: float | None = None,
+        on_duplicate: str = "keep",
         **fields: Any,
     ) -> Enqueued[J]:
         """Insert a job unless another job holds ``unique_key``; never aborts the caller's transaction.
@@ -121,10 +123,13 @@ class Admin(Generic[J]):
         appends the period's start to the key and keeps finished jobs holding
         it: at most one job per key per period. The database's unique index
         decides, so concurrent callers in any number of processes get exactly
-        one row. See docs/howto/unique-jobs.md.
+        one row. ``on_duplicate``: what a duplicate does to a *pending* holder, ``"keep"`` (nothing), ``"replace"``
+        (the new payload), ``"debounce"`` (the new payload and, later, ``run_at``: it needs one); a running holder
+        is never changed (``Enqueued.updated`` is False). See docs/howto/unique-jobs.md.
         """
         _not_async(session, "enqueue_unique")
         check_key(unique_key)  # a bad key fails here, whichever path it takes
+        check_on_duplicate(on_duplicate, fields.get("run_at"))
         if unique_period is not None:
             unique_key = period_key(unique_key, unique_period)
             unique_states = PERIOD_UNIQUE_STATES if unique_states is None else unique_states
@@ -135,12 +140,12 @@ class Admin(Generic[J]):
         conn = session.connection()
         driver = self.driver(conn)
         for _ in range(_UNIQUE_RACE_RETRIES):
-            new_id = driver.insert_unique(conn, row)
+            new_id, updated = insert_or_update(driver, conn, row, on_duplicate)
             found = new_id if new_id is not None else driver.unique_holder(conn, row["unique_key"])
             if found is not None:
-                job = session.get(self.job_model, found, with_for_update=driver.holder_lock)
+                job = session.get(self.job_model, found, with_for_update=driver.holder_lock, populate_existing=updated)
                 if job is not None:
-                    return Enqueued(job, new_id is not None, found)
+                    return Enqueued(job, new_id is not None, found, updated)
             # The holder ended between our INSERT and the read: the key is free, try again.
         raise JobStateError(f"unique key {row['unique_key']!r} changed holder {_UNIQUE_RACE_RETRIES} times while "
                             "enqueueing; retry the transaction")
@@ -148,25 +153,22 @@ class Admin(Generic[J]):
     def _checked_row(self, item: Mapping[str, Any]) -> dict[str, Any]:
         row = check_row(self.job_model, item)  # the payload comes back encoded, once
         self.check_job(SimpleNamespace(**{**row, "payload": as_payload(item.get("payload", {}))}))
+        if self.tracing is not None:  # sqla_jobs.otel: the caller's span, as JSON text like the payload
+            row["trace_context"] = self.tracing.carrier()
         return row
 
     def enqueue_many(self, session: Session, jobs: Iterable[Mapping[str, Any]], *,
                      batch: Batch | int | None = None) -> int:
         """Insert many jobs fast, in ``session``'s transaction; returns how many.
 
-        Each item is a mapping with ``kind`` and optionally ``payload``,
-        ``queue``, ``priority``, ``max_attempts``, ``run_at``, ``unique_key`` and
-        ``unique_states``, checked exactly like ``Job(...)`` (``check_job``
-        included): one bad item fails the call before anything is written.
-        PostgreSQL loads them with COPY. No ORM objects are made, so ids are
-        not returned; use ``session.add_all`` when you need them.
-
-        Items with a ``unique_key`` are inserted one by one like
-        ``enqueue_unique``, after the items without one: one whose key is
-        held (by an existing job or an earlier item) is skipped, and the
-        count leaves it out.
-
-        ``batch`` (a ``Batch``, or a batch's id): the jobs are its members (``sqla_jobs._batch``).
+        Each item is a mapping with ``kind`` and optionally ``payload``, ``queue``, ``priority``,
+        ``max_attempts``, ``run_at``, ``unique_key``, ``unique_states`` and ``on_duplicate``, checked exactly
+        like ``Job(...)`` (``check_job`` included): one bad item fails the call before anything is written.
+        PostgreSQL loads them with COPY. No ORM objects are made, so ids are not returned; use
+        ``session.add_all`` when you need them. Items with a ``unique_key`` are inserted one by one like
+        ``enqueue_unique``, after the items without one: one whose key is held (by an existing job or an
+        earlier item) is skipped, and the count leaves it out. ``batch`` (a ``Batch``, or a batch's id): the
+        jobs are its members (``sqla_jobs._batch``).
         """
         _not_async(session, "enqueue_many")
         rows = [self._checked_row(item) for item in jobs]
@@ -178,7 +180,8 @@ class Admin(Generic[J]):
         plain = [row for row in rows if row["unique_key"] is None]
         if plain:
             driver.insert_many(conn, plain)
-        keyed = sum(driver.insert_unique(conn, row) is not None for row in rows if row["unique_key"] is not None)
+        keyed = sum(insert_or_update(driver, conn, row, row.get("on_duplicate", "keep"))[0] is not None
+                    for row in rows if row["unique_key"] is not None)
         return len(plain) + keyed
 
     def enqueue_periodic(self, engine: Engine, *, now: datetime | None = None) -> list[J]:

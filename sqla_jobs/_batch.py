@@ -284,6 +284,9 @@ def add_members(session: Session, driver: Driver, jobs: Table, batch: Batch | in
     link them; returns how many. Rows with a ``unique_key`` whose key is held are skipped, as there."""
     conn = session.connection()
     items = list(rows)
+    if any(r.get("on_duplicate", "keep") != "keep" for r in items):
+        raise InvalidJob("a batch's members are new jobs: on_duplicate 'replace' or 'debounce' would change a job "
+                         "that is not in the batch; leave it out (a held key skips the item)")
     plain = [dict(r) for r in items if r["unique_key"] is None]
     ids = driver.insert_members(conn, plain) if plain else []
     for row in items:

@@ -12,7 +12,7 @@ from typing import Any
 
 from . import _payload
 from ._typed import as_payload
-from ._unique import DEFAULT_UNIQUE_STATES, check_key, check_states
+from ._unique import DEFAULT_UNIQUE_STATES, check_key, check_on_duplicate, check_states
 from .errors import InvalidJob
 
 __all__ = [
@@ -45,7 +45,7 @@ def check_row(model: type[Any], row: Mapping[str, Any]) -> dict[str, Any]:
                          f"{', '.join(sorted(_ROW_FIELDS))}")
     if "kind" not in row:
         raise InvalidJob("Job.kind is required: the name of the handler that runs the job")
-    return {
+    checked = {
         "kind": text_field("kind", row["kind"], MAX_KIND_LENGTH),
         "queue": text_field("queue", row.get("queue", "default"), MAX_QUEUE_LENGTH),
         "payload": _payload.encode(as_payload(row.get("payload", {})), model.max_payload_bytes),
@@ -54,9 +54,16 @@ def check_row(model: type[Any], row: Mapping[str, Any]) -> dict[str, Any]:
         "run_at": utc("run_at", row.get("run_at")),
         **unique_fields(row.get("unique_key"), row.get("unique_states")),
     }
+    if "on_duplicate" in row:  # what a held key does (sqla_jobs._unique.ON_DUPLICATE): keyed items only
+        if checked["unique_key"] is None:
+            raise InvalidJob("on_duplicate was given without a unique_key: it says what a held key does; "
+                             "set unique_key too, or drop it")
+        checked["on_duplicate"] = check_on_duplicate(row["on_duplicate"], checked["run_at"])
+    return checked
 
 
-_ROW_FIELDS = {"kind", "queue", "payload", "priority", "max_attempts", "run_at", "unique_key", "unique_states"}
+_ROW_FIELDS = {"kind", "queue", "payload", "priority", "max_attempts", "run_at", "unique_key", "unique_states",
+               "on_duplicate"}
 
 
 def unique_fields(key: Any, states: Any) -> dict[str, Any]:

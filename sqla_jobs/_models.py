@@ -90,6 +90,7 @@ STATES = ("blocked", "pending", "running", "finished", "cancelled")
 _ID = column_type("id", BigInteger())
 _JSON = column_type("json", JSON())
 _PAYLOAD = column_type("json", JSON(), wrap=PayloadType)
+_JSON_OR_NULL = column_type("json", JSON(), none_as_null=True)  # None stays SQL NULL (to the dead letters and back)
 # The database clock, on every backend: CURRENT_TIMESTAMP, or UTC with microseconds where
 # the column has no time zone (MariaDB/MySQL: see DatabaseNow in sqla_jobs/drivers).
 _NOW = DatabaseNow()
@@ -134,6 +135,8 @@ class _Common:
     #: At most one job holds a key at a time, while in its ``unique_states`` (see sqla_jobs._unique).
     #: A dead job keeps it for the record only: it holds nothing, and a requeue leaves it behind.
     unique_key: Mapped[str | None] = mapped_column(String(MAX_UNIQUE_KEY_LENGTH), server_default=_NULL)
+    #: The W3C trace context of the span current at enqueue, with tracing on (``sqla_jobs.otel``).
+    trace_context: Mapped[dict[str, str] | None] = mapped_column(_JSON_OR_NULL, server_default=_NULL)
 
     def __init__(self, **fields: Any) -> None:
         """``Job(kind=..., payload=...)``: what SQLAlchemy's declarative constructor does, for less.

@@ -73,6 +73,9 @@ class Registry:
     def __init__(self, *, backoff: Backoff | None = None, check_kinds: bool = True) -> None:
         self.backoff = backoff or Backoff()
         self.check_kinds = check_kinds
+        #: Set by ``sqla_jobs.otel.instrument`` (None: tracing off): stamps new jobs with the caller's trace
+        #: context, and the worker runs each job in a span (``run``, ``run_async``).
+        self.tracing: Any = None
         self.handlers: dict[str, Handler] = {}
         #: Periodic jobs by name (``periodic``); every worker of this app enqueues their slots.
         self.schedules: dict[str, Schedule] = {}

@@ -7,7 +7,8 @@ NULL otherwise, and a unique index on that column lets only one job hold a
 key at a time (``JobMixin.job_indexes``). Nothing here reads before it
 writes: ``JobQueue.enqueue_unique`` inserts and lets the index decide
 (``Driver.insert_unique``: ``ON CONFLICT DO NOTHING`` or a savepoint), so a
-duplicate never aborts the caller's transaction.
+duplicate never aborts the caller's transaction. A duplicate may then update
+the holder while it is pending (``on_duplicate``: ``insert_or_update``).
 
 The states are kept as a bitmask (``STATE_BITS``) in an INTEGER column, read
 by the generated column's portable ``CASE`` expression. Every set includes
@@ -23,21 +24,29 @@ import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from sqlalchemy import Integer
 from sqlalchemy.types import TypeDecorator
 
 from .errors import InvalidJob
 
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
+
+    from .drivers import Driver
+
 __all__ = [
     "DEFAULT_UNIQUE_STATES",
     "HELD_KEY_SQL",
     "MAX_UNIQUE_KEY_LENGTH",
+    "ON_DUPLICATE",
     "STATE_BITS",
     "Enqueued",
     "StateSet",
+    "check_on_duplicate",
     "check_states",
+    "insert_or_update",
     "period_key",
     "unique_key",
 ]
@@ -55,6 +64,32 @@ HELD_KEY_SQL = (
     "CASE WHEN (unique_states & (CASE state WHEN 'pending' THEN 1 WHEN 'running' THEN 2 "
     "WHEN 'finished' THEN 4 WHEN 'cancelled' THEN 8 ELSE 0 END)) <> 0 THEN unique_key END"
 )
+
+
+#: What a duplicate enqueue does to the pending job that holds its key: nothing (``keep``), give it the new
+#: payload (``replace``), or give it the new payload and push its ``run_at`` out to the new one (``debounce``).
+ON_DUPLICATE = ("keep", "replace", "debounce")
+
+
+def check_on_duplicate(value: Any, run_at: datetime | None) -> str:
+    """``on_duplicate`` checked with the job's ``run_at`` (a debounce needs one); InvalidJob for anything else."""
+    if value not in ON_DUPLICATE:
+        raise InvalidJob(f"on_duplicate must be one of {', '.join(map(repr, ON_DUPLICATE))}, got {value!r}")
+    if value == "debounce" and run_at is None:
+        raise InvalidJob("on_duplicate='debounce' needs run_at=: the moment the job runs unless another enqueue "
+                         "pushes it out (e.g. now + 30 s)")
+    return str(value)
+
+
+def insert_or_update(driver: Driver, conn: Connection, row: dict[str, Any],
+                     on_duplicate: str) -> tuple[int | None, bool]:
+    """Insert a checked keyed row (``_fields.check_row``): ``(new id, False)``; on a held key ``(None, updated)``,
+    ``updated`` saying whether ``on_duplicate`` changed the pending holder (``Driver.update_holder``)."""
+    new_id = driver.insert_unique(conn, row)
+    if new_id is not None or on_duplicate == "keep":
+        return new_id, False
+    run_at = row["run_at"] if on_duplicate == "debounce" else None
+    return None, driver.update_holder(conn, row["unique_key"], row["payload"], run_at, row.get("trace_context"))
 
 
 def check_states(states: Any) -> tuple[str, ...]:
@@ -155,8 +190,12 @@ class Enqueued(Generic[J]):
 
     ``id`` is the job's id, readable after the session is closed (``job``'s
     attributes expire at commit unless the session says otherwise).
+    ``updated``: this call gave the holder its payload (``on_duplicate="replace"``)
+    or also pushed its ``run_at`` out (``"debounce"``); False when it inserted, kept
+    the holder as it was, or found it already running (or ended, in its unique states).
     """
 
     job: J
     inserted: bool
     id: int
+    updated: bool = False

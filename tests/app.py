@@ -148,6 +148,12 @@ def timed(payload: dict[str, Any]) -> None:
     log_run(payload["runs"], started)
 
 
+@queue.handler("debounced")
+def debounced(payload: dict[str, Any]) -> None:
+    """Logs its run to ``payload["runs"]`` (``log_run``) with the payload's ``n``: which enqueue's payload ran."""
+    log_run(payload["runs"], time.time(), str(payload["n"]))
+
+
 @queue.handler("patient")
 def patient(payload: dict[str, Any]) -> None:
     """Runs ``first`` seconds on attempt 1 and ``later`` on the others, or until told it is cancelled, then logs

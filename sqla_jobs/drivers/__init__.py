@@ -49,6 +49,7 @@ unchanged with its name added to the backend list in ``tests/conftest.py``.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -157,10 +158,14 @@ def attach_table_events(table: Table) -> None:
 
 
 def column_type(role: str, portable: TypeEngine[Any],
-                wrap: Callable[[TypeEngine[Any]], TypeEngine[Any]] | None = None) -> TypeEngine[Any]:
+                wrap: Callable[[TypeEngine[Any]], TypeEngine[Any]] | None = None, *,
+                none_as_null: bool = False) -> TypeEngine[Any]:
     """``portable``, with each backend's own type for a column of ``role`` as its variant (``Driver.column_type``);
-    ``wrap`` is applied to each (the payload's encoder)."""
+    ``wrap`` is applied to each (the payload's encoder). ``none_as_null`` (JSON): None is SQL NULL, not JSON null."""
     def own(type_: TypeEngine[Any]) -> TypeEngine[Any]:
+        if none_as_null:
+            type_ = copy.copy(type_)
+            type_.none_as_null = True  # type: ignore[attr-defined]
         return wrap(type_) if wrap is not None else type_
 
     result = own(portable)

@@ -133,10 +133,10 @@ class Operations:
                     "queue": r.queue,
                     "payload": r.payload,
                     "priority": r.priority,
-                    "attempts": 0,
                     "max_attempts": r.max_attempts,
                     "created_at": r.created_at,
-                    "state": "pending",
+                    "trace_context": r.trace_context,  # the request that enqueued it: its first run is its child
+                    "state": "pending", "attempts": 0,
                     "last_error": truncate(f"{r.last_error}\n[{note}]"),
                     "errors": requeued_errors(r.errors),
                 }

@@ -1,4 +1,5 @@
-"""Results, progress and cancel requests of running jobs: portable Core for every backend (mixed into ``Driver``).
+"""Results, progress, cancel requests and trace contexts of running jobs: portable Core for every backend
+(mixed into ``Driver``).
 
 None of these is on the worker's hot path: a handler that returns None and
 sets no progress is finished by the batched ``finish_and_claim`` exactly as
@@ -6,7 +7,8 @@ before. A returned value (or a last progress value) is written by
 ``set_results`` just before that job's ``finish``, in the same transaction,
 both fenced by the claim token, so a result is never stored for a run whose
 claim was lost. Every statement names rows by primary key and has no
-``RETURNING``, so MariaDB/MySQL need no override.
+``RETURNING``, so MariaDB/MySQL need no override. ``trace_contexts`` is read only
+when tracing is on (``sqla_jobs.otel``): the claim itself does not carry the column.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ ResultRow = tuple[Fence, Any, Any]
 
 
 class Flow:
-    """``set_results``, ``set_progress``, ``cancel_requests``, ``result_of``."""
+    """``set_results``, ``set_progress``, ``cancel_requests``, ``result_of``, ``trace_contexts``."""
 
     jobs: Table
     discard_finished: bool
@@ -79,3 +81,10 @@ class Flow:
         row = conn.execute(select(t.c.state, t.c.result).where(t.c.id == job_id)).first()
         return None if row is None else (str(row.state), row.result)
 
+    def trace_contexts(self, conn: Connection, ids: Sequence[int]) -> dict[int, dict[str, str]]:
+        """The stored trace context (``traceparent``, ``tracestate``) of each of these jobs that has one."""
+        if not ids:
+            return {}
+        t = self.jobs
+        stmt = select(t.c.id, t.c.trace_context).where(t.c.id.in_(list(ids)), t.c.trace_context.is_not(None))
+        return {int(r.id): r.trace_context for r in conn.execute(stmt)}

@@ -9,14 +9,22 @@ the index refuse a duplicate without aborting the caller's transaction:
   insert of the same key to commit or roll back and then inserts or not;
 * a savepoint around a plain INSERT, rolled back on the duplicate-key error
   (the default: MariaDB/MySQL, which has no conflict target for one index).
+
+A duplicate that asks to replace or debounce (``on_duplicate``) then updates
+the holder with one ``UPDATE … WHERE unique_held = :key AND state = 'pending'``
+(``update_holder``): the row lock it takes orders it after a worker's claim of
+the same row and after other enqueuers' updates, and the ``WHERE`` is checked
+again on the row as they left it, so a holder that started running is never
+changed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import Connection, Table, Text, insert, literal, or_, select
+from sqlalchemy import Connection, Table, Text, case, insert, literal, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.sql.elements import ColumnElement
 
@@ -46,6 +54,8 @@ class Uniqueness:
         values["payload"] = self.payload_value(row["payload"])
         if row.get("run_at") is not None:
             values["run_at"] = row["run_at"]
+        if row.get("trace_context") is not None:  # JSON text, as the payload (sqla_jobs.otel)
+            values["trace_context"] = self.payload_value(row["trace_context"])
         return values
 
     def is_duplicate_key(self, exc: IntegrityError) -> bool:
@@ -77,6 +87,21 @@ class Uniqueness:
         if self.holder_lock is not None:
             stmt = stmt.with_for_update(**self.holder_lock)
         return conn.execute(stmt).scalar()
+
+    def update_holder(self, conn: Connection, key: str, payload: str, run_at: datetime | None,
+                      trace_context: str | None = None) -> bool:
+        """Give the pending job holding ``key`` this ``payload`` (JSON text) and, with ``run_at``, push its
+        ``run_at`` out to it (never earlier); False when no pending job holds the key (it runs, or ended).
+        A ``trace_context`` (JSON text) replaces the holder's: its run joins the trace of the latest enqueue."""
+        t = self.jobs
+        values: dict[str, Any] = {"payload": self.payload_value(payload)}
+        if trace_context is not None:
+            values["trace_context"] = self.payload_value(trace_context)
+        if run_at is not None:
+            later = literal(run_at, t.c.run_at.type)
+            values["run_at"] = case((t.c.run_at < later, later), else_=t.c.run_at)
+        stmt = update(t).where(t.c.unique_held == key, t.c.state == "pending").values(**values)
+        return conn.execute(stmt).rowcount == 1
 
     def dead_has_key(self, conn: Connection, key: str) -> bool:
         """Whether a dead job carries ``key`` (a periodic slot whose job used up its attempts)."""

@@ -279,16 +279,21 @@ class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph, Batches):
         Rows without ``run_at`` get the database clock, like ``Job(...)`` does.
         """
         for columns, batch in self._insert_batches(rows):
-            # The payload is bound as text: it is JSON already, no second encoding.
-            stmt = insert(self.jobs).values(payload=bindparam("payload", type_=Text()))
+            # The payload (and a trace context) is bound as text: it is JSON already, no second encoding.
+            texts = {c: bindparam(c, type_=Text()) for c in ("payload", "trace_context") if c in columns}
+            stmt = insert(self.jobs).values(**texts)
             conn.execute(stmt, [{c: r[c] for c in columns} for r in batch])
 
     @staticmethod
     def _insert_batches(rows: list[dict[str, Any]]) -> Iterator[tuple[list[str], list[dict[str, Any]]]]:
+        """The rows in batches of the same columns: with a ``run_at`` or without; with a ``trace_context`` (JSON
+        text or None) when the rows have that key (``enqueue_many`` gives it to all of a call's rows or none)."""
+        traced = ["trace_context"] if rows and "trace_context" in rows[0] else []
         for timed in (False, True):
             batch = [r for r in rows if (r["run_at"] is not None) is timed]
             if batch:
-                yield ["kind", "queue", "payload", "priority", "max_attempts"] + (["run_at"] if timed else []), batch
+                yield ["kind", "queue", "payload", "priority", "max_attempts", *(["run_at"] if timed else []),
+                       *traced], batch
 
     def fenced(self, fences: Iterable[Fence]) -> ColumnElement[bool]:
         t = self.jobs

@@ -9,7 +9,9 @@ route and deduplicate without parsing the body:
 * ``sqla-jobs-kind``, ``sqla-jobs-queue``: the job's kind and queue;
 * ``sqla-jobs-attempt``: which claim of the job this publish came from
   (1 for the first). A relay that died after publishing publishes the job again
-  under the same id, perhaps with a higher attempt: deduplicate on the id only.
+  under the same id, perhaps with a higher attempt: deduplicate on the id only;
+* ``traceparent``, ``tracestate``: the W3C trace context of the span that enqueued
+  the job, when the app is instrumented (``sqla_jobs.otel``; added by ``PublishExecutor``).
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ event loop, where the broker connection lives:
 * ``accepting`` is False while the broker is unreachable, so the control loop
   claims nothing: the jobs wait ``pending``, untouched, however long the outage;
   a task reconnects with the relay's backoff and wakes the control loop once
-  the broker answers again.
+  the broker answers again;
+* with tracing on (``sqla_jobs.otel``), each message carries its job's stored
+  trace context in the ``traceparent`` and ``tracestate`` headers (one read per batch).
 
 A message cannot be recalled once sent, so a cancel request does not interrupt a
 publish; it is honoured when the outcome is settled (a refused message of a job
@@ -42,7 +44,7 @@ from ..worker.executor import Executor
 from ..worker.outage import database_key
 from ..worker.runs import Outcome, Run
 from ._counts import RelayCounts
-from ._message import BrokerUnavailable, Target, outgoing
+from ._message import BrokerUnavailable, Outgoing, Target, outgoing
 
 __all__ = ["PublishExecutor"]
 
@@ -123,6 +125,8 @@ class PublishExecutor(Executor):
             self._interrupted(runs, "the broker was lost while this batch was being claimed", 0.0)
             return
         routed = [(run, outgoing(run.job)) for run in runs if self.target.route(run.job.kind) is not None]
+        if self.queue.tracing is not None and routed:  # sqla_jobs.otel
+            await self._trace_headers([message for _, message in routed])
         try:
             answers = await self.target.publish([m for _, m in routed], self.confirm_timeout) if routed else {}
         except BrokerUnavailable as exc:
@@ -146,6 +150,17 @@ class PublishExecutor(Executor):
         self.counts.refused += refused
         self.counts.unrouted += unrouted
         self._wake.set()
+
+    async def _trace_headers(self, messages: list[Outgoing]) -> None:
+        """Give each message its job's stored trace context as headers (``traceparent``, ``tracestate``), so
+        the consumer's span continues the trace of the request that enqueued the job."""
+        try:
+            contexts = await self.trace_contexts_async([message.job.id for message in messages])
+        except Exception as exc:  # the database is away: the messages go without them, the publish goes on
+            log.warning("relay: could not read the jobs' trace contexts: %s", str(exc).splitlines()[0])
+            return
+        for message in messages:
+            message.headers.update(contexts.get(message.job.id, {}))
 
     def _lost(self, runs: list[Run], exc: BrokerUnavailable, took: float) -> None:
         """The broker went away mid-batch: every job of it goes back (the policy's ``broker_lost``), and

@@ -82,6 +82,10 @@ class AsyncExecutor(Executor):
         async with self.async_engine.connect() as conn:
             return await conn.run_sync(lambda sync: statement(self.driver, sync))
 
+    async def trace_contexts_async(self, ids: list[int]) -> dict[int, dict[str, str]]:
+        async with self.async_engine.connect() as conn:
+            return await conn.run_sync(lambda sync: self.driver.trace_contexts(sync, ids))
+
     def start(self) -> None:
         """Nothing to start: a task is made per run."""
 
@@ -94,7 +98,9 @@ class AsyncExecutor(Executor):
         return not self._done.empty()
 
     def _dispatch(self, run: Run) -> None:
-        task = self._loop.create_task(self._execute_task(run))
+        tracing = self.queue.tracing  # sqla_jobs.otel: None unless instrumented
+        task = self._loop.create_task(self._execute_task(run) if tracing is None else tracing.run_async(
+            run, partial(self.trace_contexts_async, [run.job.id]), partial(self._execute_task, run)))
         self._tasks.add(task)
         task.add_done_callback(partial(self._task_done, run))
         if run.handler is not None and run.handler.is_async:

@@ -32,6 +32,7 @@ import queue as stdlib_queue
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -119,6 +120,14 @@ class Executor:
 
     async def read_async(self, statement: Callable[[Driver, Connection], Any]) -> Any:
         return await asyncio.to_thread(self.read, statement)
+
+    def trace_contexts(self, ids: list[int]) -> dict[int, dict[str, str]]:
+        """The trace contexts stored with these jobs (read only when tracing is on: ``sqla_jobs.otel``)."""
+        with self.engine.connect() as conn:
+            return self.driver.trace_contexts(conn, ids)
+
+    async def trace_contexts_async(self, ids: list[int]) -> dict[int, dict[str, str]]:
+        return await asyncio.to_thread(self.trace_contexts, ids)
 
     def _dispatch(self, run: Run) -> None:
         """Hand the run to a handler thread (the async executor starts a task instead)."""
@@ -240,7 +249,9 @@ class Executor:
             else:
                 if run.handler is not None and run.handler.is_async and loop is None:
                     loop = asyncio.new_event_loop()
-                outcome = self._execute(run, loop)
+                tracing = self.queue.tracing  # sqla_jobs.otel: None unless instrumented
+                outcome = self._execute(run, loop) if tracing is None else tracing.run(
+                    run, partial(self.trace_contexts, [run.job.id]), partial(self._execute, run, loop))
             run.returned = True  # its handler is done: self-fencing leaves its outcome alone
             self._done.put((run, outcome))
             # Wake the control loop when there is something to do, not after every job: the
@@ -337,6 +348,7 @@ class Executor:
             return failed
         failed.result = "outage" if self._database in dropped else "error"
         failed.error = f"{type(exc).__name__}: {exc}"
+        failed.exception = exc
         failed.committing = run.finishing
         return failed
 

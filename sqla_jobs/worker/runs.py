@@ -66,6 +66,7 @@ class Outcome:
     committing: bool = False
     value: Any = None  # what the handler returned (checked, JSON-able), stored with the finished job
     progress: Any = None  # its last progress value, if not written yet
+    exception: BaseException | None = None  # what the handler raised, for a tracing span (sqla_jobs.otel)
 
 
 def outcome_of(run: Run, started: float) -> Callable[..., Outcome]:

@@ -97,3 +97,26 @@ def test_dead_letter_keeps_the_key_for_the_record(backend: Backend) -> None:
     assert in_write(backend, lambda c: d.unique_holder(c, "slot")) is None  # the dead job holds nothing
     assert in_write(backend, lambda c: d.requeue_dead(c, ids=[job_id])) == [job_id]
     assert backend.row(job_id).unique_key is None  # requeued without its key: it can collide with nothing
+
+
+def test_update_holder_changes_only_a_pending_holder(backend: Backend) -> None:
+    from datetime import datetime, timedelta, timezone
+
+    d = backend.driver
+    soon = datetime.now(timezone.utc) + timedelta(seconds=30)
+    job_id = in_write(backend, lambda c: d.insert_unique(c, _row("k", run_at=soon)))
+    # replace: the payload only
+    assert in_write(backend, lambda c: d.update_holder(c, "k", json.dumps({"n": 2}), None)) is True
+    row = backend.row(job_id)
+    assert row.payload == {"n": 2} and abs((row.run_at.replace(tzinfo=timezone.utc) - soon).total_seconds()) < 0.01
+    # debounce: pushed out to a later run_at, never pulled in by an earlier one
+    later = soon + timedelta(seconds=60)
+    assert in_write(backend, lambda c: d.update_holder(c, "k", json.dumps({"n": 3}), later)) is True
+    assert in_write(backend, lambda c: d.update_holder(c, "k", json.dumps({"n": 4}), soon)) is True
+    row = backend.row(job_id)
+    assert row.payload == {"n": 4} and abs((row.run_at.replace(tzinfo=timezone.utc) - later).total_seconds()) < 0.01
+    # a running holder is left alone, and so is a key nobody holds
+    backend.set(job_id, state="running")
+    assert in_write(backend, lambda c: d.update_holder(c, "k", json.dumps({"n": 5}), None)) is False
+    assert backend.row(job_id).payload == {"n": 4}
+    assert in_write(backend, lambda c: d.update_holder(c, "nobody", json.dumps({}), None)) is False
