@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from . import _periodic
+from ._durable_admin import DurableAdmin
 from ._fields import check_row
 from ._models import STATES, JobMixin
 from ._stats import QueueStats, collect
@@ -43,7 +44,7 @@ _PRUNE_CONFLICT_RETRIES = 20
 _UNIQUE_RACE_RETRIES = 10
 
 
-class Admin(Generic[J]):
+class Admin(DurableAdmin, Generic[J]):
     """Admin operations on one jobs table and its dead-letter table (a mixin of ``JobQueue``)."""
 
     job_model: type[J]

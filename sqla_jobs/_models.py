@@ -72,8 +72,10 @@ from .drivers import (
     attach_table_events,
     column_type,
     edge_table,
+    event_table,
     index_dialects_for,
     partial_where,
+    step_table,
     table_options,
 )
 from .errors import InvalidJob
@@ -390,3 +392,5 @@ def _add_notify_trigger(mapper: Mapper[Any], cls: type[JobMixin]) -> None:
     """
     attach_table_events(cls.__table__)  # type: ignore[attr-defined]
     edge_table(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_deps, in the same metadata (sqla_jobs._graph)
+    step_table(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_steps and <jobs>_events (sqla_jobs._durable)
+    event_table(cls.__table__)  # type: ignore[attr-defined]

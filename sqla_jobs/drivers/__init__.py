@@ -58,6 +58,7 @@ from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
+from ._durable import event_table, step_table
 from ._graph import FAILURE_POLICIES, edge_table
 from ._setup import GeneratedColumn
 from .base import DatabaseNow, Driver
@@ -77,6 +78,7 @@ __all__ = [
     "driver_class_of",
     "driver_for",
     "edge_table",
+    "event_table",
     "index_dialects_for",
     "migration_guard",
     "migration_imports",
@@ -84,6 +86,7 @@ __all__ = [
     "partial_where",
     "register",
     "registered",
+    "step_table",
     "stored_generated_dialects",
     "sync_engine_for",
     "table_options",

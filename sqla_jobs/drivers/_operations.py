@@ -82,7 +82,7 @@ class Operations:
     def check_schema(self, conn: Connection) -> None:
         """Raise SchemaError naming what is missing, before a worker touches the tables."""
         inspector = inspect(conn)
-        for table in (self.jobs, self.dead, self.edges):
+        for table in (self.jobs, self.dead, self.edges, self.steps, self.events):
             if not inspector.has_table(table.name, schema=table.schema):
                 raise SchemaError(
                     f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: "

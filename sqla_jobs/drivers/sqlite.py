@@ -293,6 +293,9 @@ class SQLiteDriver(Driver):
         # Writers take turns on SQLite, so the conflict is always with a committed holder.
         return on_conflict_insert(self, conn, row, sqlite.insert)
 
+    def insert_or_ignore(self, conn: Connection, table: Table, row: dict[str, Any]) -> None:
+        conn.execute(sqlite.insert(table).values(**row).on_conflict_do_nothing())
+
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("json_insert(COALESCE(errors, '[]'), '$[#]', json(:entry))").bindparams(entry=json.dumps(entry))
 

@@ -39,12 +39,13 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from .._app import JobEvent, JobQueue
 from .._context import _current
 from ..drivers.base import Driver, Fence
+from ..errors import JobParked
 from .async_wake import AsyncWake
 from .executor import Executor, Outcome, Run, _ClaimLost, outcome_of
 from .outage import DatabaseKey, watch
@@ -81,6 +82,28 @@ class AsyncExecutor(Executor):
     async def upstreams_async(self, job_id: int) -> list[Any]:
         async with self.async_engine.connect() as conn:
             return await conn.run_sync(lambda sync: self.driver.upstreams(sync, job_id))
+
+    # A durable job's steps: a plain handler's on its thread go through the loop, as upstreams do.
+
+    def read(self, action: Callable[[Connection], Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(self.read_async(action), self._loop).result()
+
+    def write(self, action: Callable[[Connection], Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(self.write_async(action), self._loop).result()
+
+    async def read_async(self, action: Callable[[Connection], Any]) -> Any:
+        async with self.async_engine.connect() as conn:
+            return await conn.run_sync(action)
+
+    async def write_async(self, action: Callable[[Connection], Any]) -> Any:
+        def written(conn: Connection) -> Any:
+            self.driver.begin_write(conn)
+            result = action(conn)
+            conn.commit()
+            return result
+
+        async with self.async_engine.connect() as conn:
+            return await conn.run_sync(written)
 
     def start(self) -> None:
         """Nothing to start: a task is made per run."""
@@ -192,7 +215,15 @@ class AsyncExecutor(Executor):
             await session.run_sync(lambda s: self.driver.begin_write(s.connection()))
             run.ctx.session = session  # type: ignore[assignment]  # documented: an AsyncSession here
             try:
-                value = await asyncio.wait_for(handler.fn(run.job.payload), handler.timeout)
+                try:
+                    value = await asyncio.wait_for(handler.fn(run.job.payload), handler.timeout)
+                except JobParked:  # its writes and steps commit, fenced, without finishing the job
+                    await session.flush()
+                    if not await session.run_sync(lambda s: self.driver.hold(s.connection(), fence)):
+                        raise _ClaimLost() from None
+                    self._parking(run)
+                    await session.commit()
+                    raise
                 await session.flush()
                 result = None if value is None else self._checked_result(value)
                 progress = run.ctx.progress if self.progress.pop(fence, None) is not None else None

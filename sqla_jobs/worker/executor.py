@@ -34,14 +34,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from .._app import JobEvent, JobQueue
 from .._context import JobContext, _current
 from .._payload import encode_value
 from ..drivers.base import Claimed, Driver, Fence
-from ..errors import ConfigError, InvalidJob, JobCancel, JobSnooze
+from ..errors import ConfigError, InvalidJob, JobCancel, JobParked, JobSnooze
 from .outage import DatabaseKey, watch
 from .runs import InvalidResult, Outcome, Run, _CancelBeforeCommit, _ClaimLost, outcome_of
 
@@ -77,6 +77,7 @@ class Executor:
         #: Runs whose handler set a progress value not yet written (JobContext.set_progress fills it).
         self.progress: dict[Fence, JobContext] = {}
         self._result_limit = queue.job_model.max_result_bytes
+        self.step_limit = self._result_limit  # a durable job's step values (sqla_jobs._durable) are results too
         self._progress_limit = queue.job_model.max_progress_bytes
         self._fate = threading.Lock()  # orders abandon against a transactional run starting to commit
         self._abandoned = 0  # how many of running were given up on
@@ -102,7 +103,7 @@ class Executor:
         fence = job.fence
         # Positional: this runs per job, and keyword arguments cost more (fields as in JobContext).
         ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.worker_name,
-                         None, None, False, self.progress, fence, self._progress_limit, None, self)
+                         None, None, False, self.progress, fence, self._progress_limit, None, self, self)
         run = Run(job, handler, ctx, now, now + timeout if timeout else None)
         self.running[fence] = run
         if self._count_queues:
@@ -119,6 +120,22 @@ class Executor:
 
     async def upstreams_async(self, job_id: int) -> list[Any]:
         return await asyncio.to_thread(self.upstreams, job_id)
+
+    # A durable job's steps (sqla_jobs._durable.DurableStore): short reads and writes of their own.
+
+    def read(self, action: Callable[[Connection], Any]) -> Any:
+        with self.engine.connect() as conn:
+            return action(conn)
+
+    def write(self, action: Callable[[Connection], Any]) -> Any:
+        with self.driver.write(self.engine) as conn:
+            return action(conn)
+
+    async def read_async(self, action: Callable[[Connection], Any]) -> Any:
+        return await asyncio.to_thread(self.read, action)
+
+    async def write_async(self, action: Callable[[Connection], Any]) -> Any:
+        return await asyncio.to_thread(self.write, action)
 
     def _dispatch(self, run: Run) -> None:
         """Hand the run to a handler thread (the async executor starts a task instead)."""
@@ -293,6 +310,10 @@ class Executor:
         job, handler = run.job, run.handler
         if isinstance(exc, JobSnooze):
             return outcome("snooze", delay=exc.seconds)
+        if isinstance(exc, JobParked):  # a durable sleep or wait: a snooze whose delay the park decides
+            parked = outcome("snooze")
+            parked.park = exc
+            return parked
         if isinstance(exc, (JobCancel, _CancelBeforeCommit)):
             return outcome("cancel", f"JobCancel: {exc}")
         if isinstance(exc, _ClaimLost):
@@ -350,13 +371,34 @@ class Executor:
                 raise _CancelBeforeCommit("cancel requested before the commit: its writes rolled back")
             run.finishing = True
 
+    def _parking(self, run: Run) -> None:
+        """Before a transactional run that parks commits its writes and steps: still ours, not cancelled."""
+        with self._fate:
+            if run.abandoned:
+                raise _ClaimLost()
+            if run.cancel_requested:
+                raise _CancelBeforeCommit("cancel requested before the commit: its writes rolled back")
+
+    def _commit_parked(self, run: Run, session: Session) -> None:
+        """A transactional handler parked (sleep, wait): its writes and finished steps commit now, fenced by
+        the job's row lock, without finishing the job; the park itself is written as its outcome."""
+        session.flush()
+        if not self.driver.hold(session.connection(), run.job.fence):
+            raise _ClaimLost()
+        self._parking(run)
+        session.commit()
+
     def _execute_in_transaction(self, run: Run) -> None:
         """The handler's writes and the job's completion commit together, or not at all."""
         with Session(self.engine) as session:
             self.driver.begin_write(session.connection())
             run.ctx.session = session
             try:
-                value = run.handler.fn(run.job.payload)
+                try:
+                    value = run.handler.fn(run.job.payload)
+                except JobParked:
+                    self._commit_parked(run, session)
+                    raise
                 session.flush()
                 result = None if value is None else self._checked_result(value)
                 progress = run.ctx.progress if self.progress.pop(run.job.fence, None) is not None else None

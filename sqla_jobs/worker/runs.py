@@ -66,6 +66,7 @@ class Outcome:
     committing: bool = False
     value: Any = None  # what the handler returned (checked, JSON-able), stored with the finished job
     progress: Any = None  # its last progress value, if not written yet
+    park: Any = None  # a durable sleep or wait (errors.JobParked) that ended the run: a ``snooze`` it decides
 
 
 def outcome_of(run: Run, started: float) -> Callable[..., Outcome]:

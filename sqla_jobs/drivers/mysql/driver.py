@@ -37,6 +37,7 @@ from sqlalchemy import (
     Float,
     Integer,
     Select,
+    Table,
     bindparam,
     delete,
     func,
@@ -48,6 +49,7 @@ from sqlalchemy import (
     type_coerce,
     update,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
@@ -250,6 +252,11 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
         return text("JSON_ARRAY_APPEND(COALESCE(errors, '[]'), '$', JSON_EXTRACT(:entry, '$'))").bindparams(
             entry=json.dumps(entry)
         )
+
+    def insert_or_ignore(self, conn: Connection, table: Table, row: dict[str, Any]) -> None:
+        # Not INSERT IGNORE, which also turns errors other than the duplicate key into warnings.
+        first = table.primary_key.columns.values()[0]
+        conn.execute(mysql.insert(table).values(**row).on_duplicate_key_update({first.name: first}))
 
     def dead_letter(self, conn: Connection, fence: Fence, error: str) -> bool:
         t, d = self.jobs, self.dead

@@ -348,6 +348,9 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
             return partitions.insert_unique(self, conn, row)
         return on_conflict_insert(self, conn, row, postgresql.insert)
 
+    def insert_or_ignore(self, conn: Connection, table: Table, row: dict[str, Any]) -> None:
+        conn.execute(postgresql.insert(table).values(**row).on_conflict_do_nothing())
+
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("COALESCE(errors, '[]'::jsonb) || jsonb_build_array(CAST(:entry AS jsonb))").bindparams(
             entry=json.dumps(entry)

@@ -1,0 +1,207 @@
+"""Durable jobs' statements: checkpointed steps, parked runs, events (mixed into ``Driver``).
+
+Two tables beside the jobs table (``sqla_jobs._durable`` is the user's side):
+
+* ``<jobs>_steps`` (``job_id``, ``name``): one row per step a job reached. A step that
+  returned has ``finished_at`` and its ``value``; a sleep or a wait that parked the job has
+  ``until`` (its due time, or the wait's deadline) and, for a wait, ``awaiting`` (the event
+  key), and gets ``finished_at`` when a later run passes it;
+* ``<jobs>_events`` (``key``): an event's ``data`` once ``emitted_at`` is set. A row with
+  ``emitted_at`` NULL is a rendezvous: a job parked waiting for that key made it.
+
+The rendezvous is what makes waiting race-free without a lock of its own. A parking run and
+an emit both write the key's event row first (``park``: insert-or-ignore and a locking read;
+``emit``: insert-or-ignore, then set it emitted): whichever commits second waited for the
+first's row lock, so either the park reads the event emitted (the job is due at once), or the
+emit's wake-up reads the parked step (the job is made due). An emit rolled back leaves the
+row as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Column, Connection, Index, MetaData, String, Table, case, delete, select, update
+from sqlalchemy.sql.elements import ColumnElement
+
+from ._claimed import Fence
+
+__all__ = ["EVENT_SUFFIX", "MAX_EVENT_KEY", "MAX_STEP_NAME", "STEP_SUFFIX", "Durable", "event_table", "step_table"]
+
+#: ``<jobs table>_steps`` and ``<jobs table>_events``, in the jobs table's schema.
+STEP_SUFFIX = "_steps"
+EVENT_SUFFIX = "_events"
+#: The longest step name and event key (characters).
+MAX_STEP_NAME = 200
+MAX_EVENT_KEY = 255
+
+
+def _beside(jobs: Table, suffix: str, metadata: MetaData | None) -> tuple[MetaData, str, Table | None]:
+    metadata = jobs.metadata if metadata is None else metadata
+    name = f"{jobs.name}{suffix}"
+    key = f"{jobs.schema}.{name}" if jobs.schema else name
+    return metadata, name, metadata.tables.get(key)
+
+
+def step_table(jobs: Table, metadata: MetaData | None = None) -> Table:
+    """``<jobs>_steps`` beside ``jobs``: made in ``jobs``' metadata the first time, the same Table after.
+
+    No foreign key, as for ``<jobs>_deps``: a job moves to the dead letters and back with its id (its
+    steps wait for it there), and a partitioned jobs table has no primary key to point at.
+    """
+    metadata, name, found = _beside(jobs, STEP_SUFFIX, metadata)
+    if found is not None:
+        return found
+    stamp = jobs.c.run_at.type
+    return Table(
+        name,
+        metadata,
+        Column("job_id", jobs.c.id.type, primary_key=True, autoincrement=False),
+        Column("name", String(MAX_STEP_NAME), primary_key=True),
+        Column("value", jobs.c.result.type, nullable=True),
+        #: A sleep's due time or a wait's deadline; NULL for a step.
+        Column("until", stamp, nullable=True),
+        #: The event key a parked wait waits for; NULL for anything else.
+        Column("awaiting", String(MAX_EVENT_KEY), nullable=True),
+        Column("started_at", stamp, nullable=True),
+        Column("finished_at", stamp, nullable=True),
+        Index(f"ix_{name}_awaiting", "awaiting"),
+        schema=jobs.schema,
+    )
+
+
+def event_table(jobs: Table, metadata: MetaData | None = None) -> Table:
+    """``<jobs>_events`` beside ``jobs``: made in ``jobs``' metadata the first time, the same Table after."""
+    metadata, name, found = _beside(jobs, EVENT_SUFFIX, metadata)
+    if found is not None:
+        return found
+    stamp = jobs.c.run_at.type
+    return Table(
+        name,
+        metadata,
+        Column("key", String(MAX_EVENT_KEY), primary_key=True),
+        Column("data", jobs.c.result.type, nullable=True),
+        #: NULL: not emitted yet (a parked job waits for it).
+        Column("emitted_at", stamp, nullable=True),
+        Column("created_at", stamp, nullable=False),
+        schema=jobs.schema,
+    )
+
+
+class Durable:
+    """The statements of durable jobs (see the module docstring)."""
+
+    jobs: Table
+
+    if TYPE_CHECKING:  # Driver's own (declared here for the type checker only: Driver must win the MRO)
+        def now(self) -> ColumnElement[datetime]: ...
+        def notify(self, conn: Connection) -> None: ...
+        def fenced(self, fences: Sequence[Fence]) -> ColumnElement[bool]: ...
+
+    @property
+    def steps(self) -> Table:
+        return step_table(self.jobs)
+
+    @property
+    def events(self) -> Table:
+        return event_table(self.jobs)
+
+    def insert_or_ignore(self, conn: Connection, table: Table, row: dict[str, Any]) -> None:
+        """Insert ``row`` unless its primary key is taken (waiting for an uncommitted row with that key)."""
+        raise NotImplementedError
+
+    # -- a run's steps --------------------------------------------------------------------
+
+    def job_steps(self, conn: Connection, job_id: int) -> list[Any]:
+        """A job's step rows (``name``, ``value``, ``until``, ``awaiting``, ``started_at``, ``finished_at``),
+        in the order they were started."""
+        s = self.steps
+        stmt = (select(s.c.name, s.c.value, s.c.until, s.c.awaiting, s.c.started_at, s.c.finished_at)
+                .where(s.c.job_id == job_id).order_by(s.c.started_at, s.c.name))
+        return list(conn.execute(stmt))
+
+    def save_step(self, conn: Connection, job_id: int, name: str, value: Any, started: datetime,
+                  finished: datetime) -> None:
+        """A step (or a passed sleep or wait) is done: its value and times, over a parked row if there is one."""
+        s = self.steps
+        done = {"value": value, "finished_at": finished, "awaiting": None}
+        changed = conn.execute(update(s).where(s.c.job_id == job_id, s.c.name == name).values(**done)).rowcount
+        if not changed:
+            conn.execute(s.insert().values(job_id=job_id, name=name, started_at=started, until=None, **done))
+
+    def park(self, conn: Connection, job_id: int, name: str, until: datetime, started: datetime,
+             key: str | None) -> bool:
+        """Record that a run parked at the sleep or wait ``name`` until ``until`` (waiting for ``key``, if
+        given), in the transaction that hands the job back. Returns True when ``key`` was emitted already
+        (then nothing waits: the job should be due now)."""
+        if key is not None:
+            e = self.events
+            self.insert_or_ignore(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": self.now()})
+            emitted = conn.execute(select(e.c.emitted_at).where(e.c.key == key).with_for_update()).scalar()
+            if emitted is not None:
+                return True
+        s = self.steps
+        values = {"until": until, "awaiting": key}
+        if not conn.execute(update(s).where(s.c.job_id == job_id, s.c.name == name).values(**values)).rowcount:
+            conn.execute(s.insert().values(job_id=job_id, name=name, started_at=started, value=None, **values))
+        return False
+
+    def hold(self, conn: Connection, fence: Fence) -> bool:
+        """Lock the running job ``fence`` until the caller's transaction ends; whether it is still ours (a
+        transactional handler that parks commits its steps under this, fenced like a finish)."""
+        t = self.jobs
+        return conn.execute(update(t).where(self.fenced([fence])).values(locked_at=t.c.locked_at)).rowcount == 1
+
+    def forget_steps(self, conn: Connection, job_ids: Sequence[int]) -> None:
+        """Pruned jobs take their steps with them."""
+        s = self.steps
+        for start in range(0, len(job_ids), 1000):
+            conn.execute(delete(s).where(s.c.job_id.in_(list(job_ids[start:start + 1000]))))
+
+    # -- events -----------------------------------------------------------------------------
+
+    def event(self, conn: Connection, key: str) -> Any:
+        """The emitted event ``key`` (``data``, ``emitted_at``), or None."""
+        e = self.events
+        return conn.execute(select(e.c.data, e.c.emitted_at)
+                            .where(e.c.key == key, e.c.emitted_at.is_not(None))).first()
+
+    def emit(self, conn: Connection, key: str, data: Any) -> int | None:
+        """Emit ``key`` with ``data`` in the caller's transaction: None if it was emitted before (the first
+        emit wins, this one changes nothing), else how many parked jobs it made due now (they run when
+        this transaction commits; listening workers are woken then)."""
+        e, s, t = self.events, self.steps, self.jobs
+        now = self.now()
+        self.insert_or_ignore(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": now})
+        won = conn.execute(update(e).where(e.c.key == key, e.c.emitted_at.is_(None))
+                           .values(data=data, emitted_at=now)).rowcount
+        if not won:
+            return None
+        # A locking read: MariaDB's REPEATABLE READ then sees the latest parked rows, not its snapshot.
+        waiting = list(conn.scalars(select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
+                                    .with_for_update()))
+        woken = 0
+        for start in range(0, len(waiting), 1000):
+            chunk = waiting[start:start + 1000]
+            woken += conn.execute(update(t).where(t.c.id.in_(chunk), t.c.state == "pending")
+                                  .values(run_at=case((t.c.run_at > now, now), else_=t.c.run_at))).rowcount
+        if woken:
+            self.notify(conn)
+        return woken
+
+    def waiting_for(self, conn: Connection, key: str) -> list[int]:
+        """The jobs parked waiting for ``key``, by id."""
+        s = self.steps
+        return list(conn.scalars(select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
+                                 .order_by(s.c.job_id)))
+
+    def prune_events(self, conn: Connection, before: datetime) -> int:
+        """Delete the events emitted before ``before``, and rendezvous rows made before it that no job
+        waits on any more. Returns how many."""
+        e, s = self.events, self.steps
+        waited = select(s.c.awaiting).where(s.c.awaiting.is_not(None), s.c.finished_at.is_(None))
+        stale = ((e.c.emitted_at < before)
+                 | (e.c.emitted_at.is_(None) & (e.c.created_at < before) & e.c.key.not_in(waited)))
+        return conn.execute(delete(e).where(stale)).rowcount
