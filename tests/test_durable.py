@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 
 from sqla_jobs import AsyncWorker, InvalidJob
-from tests import app, durable_app
+from tests import durable_app
 from tests.conftest import Database
 from tests.helpers import effects, enqueue, job, run_burst, utc
 from tests.test_asyncio import async_url
