@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -318,7 +318,8 @@ class Admin(DurableAdmin, Generic[J]):
     def prune(
         self, engine: Engine, *, older_than: float, batch_size: int = 1000, max_batches: int | None = None
     ) -> int:
-        """Delete finished and cancelled jobs whose ``finished_at`` is older than ``older_than`` seconds.
+        """Delete finished and cancelled jobs whose ``finished_at`` is older than ``older_than`` seconds (their
+        durable steps with them), and durable jobs' events emitted longer ago than that.
 
         Deletes ``batch_size`` rows per transaction, committing each, so it
         never holds many row locks or a long transaction on a busy table; stops
@@ -348,6 +349,8 @@ class Admin(DurableAdmin, Generic[J]):
             batches += 1
             if count < batch_size:
                 break
+        with driver.write(engine) as conn:  # durable jobs' events as old (sqla_jobs._durable)
+            driver.prune_events(conn, datetime.now(timezone.utc) - timedelta(seconds=older_than))
         return deleted
 
     def _not_found(self, conn: Connection, job_id: int) -> str:

@@ -165,3 +165,15 @@ def test_async_handlers_have_the_same_under_the_async_worker_and_the_threaded_on
     emit(db, "a3", 3)
     run_burst(db.engine)  # the threaded worker runs the async handler on its own loop
     assert job(db.engine, third).result == {"data": 3}  # type: ignore[union-attr]
+
+
+def test_prune_takes_a_pruned_jobs_steps_and_old_events_with_it(db: Database) -> None:
+    emit(db, "pruned", 1)
+    job_id = enqueue(db.engine, "d_wait", {"key": "pruned"})
+    run_burst(db.engine)
+    assert steps(db, job_id)
+    time.sleep(0.05)
+    queue.prune(db.engine, older_than=0)
+    assert job(db.engine, job_id) is None and steps(db, job_id) == {}
+    with Session(db.engine) as session:
+        assert queue.get_event(session, "pruned") is None

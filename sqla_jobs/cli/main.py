@@ -48,6 +48,7 @@ from .admin import (
     cmd_stats,
 )
 from .dashboard import add_dashboard_parser
+from .durable import add_events_parser
 from .migrations import add_migrations_parser
 from .options import Parser, common_options, iter_commands, job_id_argument, json_flag, not_negative, positive
 from .relay import add_relay_parser
@@ -313,6 +314,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_migrations_parser(sub, common_options)
     add_dashboard_parser(sub, common_options)
     add_relay_parser(sub, common_options)
+    add_events_parser(sub, common_options)
 
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")

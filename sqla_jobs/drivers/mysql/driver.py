@@ -337,6 +337,7 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
         if not ids:
             return 0
         self.forget_edges(conn, ids)
+        self.forget_steps(conn, ids)
         return conn.execute(delete(t).where(t.c.id.in_(ids))).rowcount
 
     def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:
