@@ -2,8 +2,10 @@
 
 Each step records an ``effects`` row (``step-<name>``) when its function really runs, so a test
 counts how often each side effect happened; ``tx`` steps write theirs through the transactional
-handler's session (exactly once with the checkpoint). ``SQLA_JOBS_TEST_KILL_AT`` names an effect
-at which the handler process kills itself (SIGKILL) right after that effect is written.
+handler's session (exactly once with the checkpoint). A payload's ``kill_at`` names a point
+(``step-<name>``: in the step, its effect written and its checkpoint not; ``after-<name>``: just
+after the step returned) where the worker process kills itself with SIGKILL, once per job: the
+first time, it leaves a file named after the job in the folder ``SQLA_JOBS_TEST_KILL_DIR``.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import os
 import signal
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import insert
@@ -29,7 +32,12 @@ def effect(name: str) -> str:
 
 
 def _maybe_die(at: str) -> None:
-    if os.environ.get("SQLA_JOBS_TEST_KILL_AT") == at:
+    job = current_job()
+    if job.payload.get("kill_at") != at:
+        return
+    marker = Path(os.environ["SQLA_JOBS_TEST_KILL_DIR"]) / str(job.id)
+    if not marker.exists():
+        marker.touch()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -78,14 +86,18 @@ def transactional(payload: dict[str, Any]) -> Any:
     def write(name: str) -> str:
         session.execute(insert(Effect).values(job_id=job.id, attempt=job.attempt, event=f"step-{name}",
                                               pid=os.getpid()))
+        _maybe_die(f"step-{name}")
         return name
 
     job.step("t0", write, "t0")
+    _maybe_die("after-t0")
     if payload.get("key"):
         job.wait_for_event(payload["key"], timeout=3600)
     if payload.get("seconds") is not None:
         job.sleep(payload["seconds"])
-    job.step("t1", write, "t1")
+    for i in range(1, payload.get("n", 2)):
+        job.step(f"t{i}", write, f"t{i}")
+        _maybe_die(f"after-t{i}")
     return "done"
 
 
