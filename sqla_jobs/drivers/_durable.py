@@ -154,6 +154,21 @@ class Durable:
         t = self.jobs
         return conn.execute(update(t).where(self.fenced([fence])).values(locked_at=t.c.locked_at)).rowcount == 1
 
+    def end_parks(self, conn: Connection, kind: str | None, now: datetime) -> int:
+        """Tests (``sqla_jobs.testing.make_due``): the sleeps and waits of the parked jobs (pending, due later;
+        of ``kind`` if given) end at ``now``, so their next run passes them (a wait with None). Call it before
+        their ``run_at`` moves. Returns how many ended."""
+        s, t = self.steps, self.jobs
+        parked = select(t.c.id).where(t.c.state == "pending", t.c.run_at > self.now())
+        if kind is not None:
+            parked = parked.where(t.c.kind == kind)
+        ids = list(conn.scalars(parked))
+        ended = 0
+        for start in range(0, len(ids), 1000):
+            ended += conn.execute(update(s).where(s.c.job_id.in_(ids[start:start + 1000]), s.c.finished_at.is_(None),
+                                                  s.c.until.is_not(None)).values(until=now)).rowcount
+        return ended
+
     def forget_steps(self, conn: Connection, job_ids: Sequence[int]) -> None:
         """Pruned jobs take their steps with them."""
         s = self.steps
