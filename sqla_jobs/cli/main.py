@@ -105,6 +105,10 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.durable:
+        from ..bench.durable import run_durable
+
+        return run_durable(args)
     if args.graphs is not None:
         from ..bench.graphs import run_graphs
 
@@ -263,6 +267,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --graphs: the jobs between the fan-out's root and its join (default 100000)")
     p.add_argument("--chain-length", type=positive(int), default=10_000, metavar="M",
                    help="with --graphs: the jobs of the chain (default 10000)")
+    p.add_argument("--durable", action="store_true",
+                   help="instead: durable jobs: a step's overhead, emit -> resume latency, --waiters parked jobs "
+                        "(what they hold, and all woken by one transaction)")
+    p.add_argument("--waiters", type=positive(int), default=10_000, metavar="N",
+                   help="with --durable: the jobs parked each waiting for its own event (default 10000)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
     common_options(p)

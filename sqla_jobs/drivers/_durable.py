@@ -28,11 +28,14 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import Fence
 
-__all__ = ["EVENT_SUFFIX", "MAX_EVENT_KEY", "MAX_STEP_NAME", "STEP_SUFFIX", "Durable", "event_table", "step_table"]
+__all__ = ["EVENT_SUFFIX", "MAX_EVENT_KEY", "MAX_STEP_NAME", "STEP_SUFFIX", "Durable", "event_table", "step_table",
+           "upsert_statement"]
 
 #: ``<jobs table>_steps`` and ``<jobs table>_events``, in the jobs table's schema.
 STEP_SUFFIX = "_steps"
 EVENT_SUFFIX = "_events"
+#: Where ``emit`` remembers the transaction it notified in (the connection's ``info``).
+_NOTIFIED = "sqla_jobs_durable_notified"
 #: The longest step name and event key (characters).
 MAX_STEP_NAME = 200
 MAX_EVENT_KEY = 255
@@ -90,6 +93,15 @@ def event_table(jobs: Table, metadata: MetaData | None = None) -> Table:
     )
 
 
+def upsert_statement(stmt: Any, table: Table, update: Sequence[str]) -> Any:
+    """``INSERT ... ON CONFLICT (primary key) DO UPDATE SET`` the columns ``update`` (``DO NOTHING`` without
+    any), for the dialects that spell it so (PostgreSQL, SQLite): ``stmt`` is their ``insert(table).values()``."""
+    if not update:
+        return stmt.on_conflict_do_nothing()
+    return stmt.on_conflict_do_update(index_elements=list(table.primary_key.columns),
+                                      set_={c: stmt.excluded[c] for c in update})
+
+
 class Durable:
     """The statements of durable jobs (see the module docstring)."""
 
@@ -108,8 +120,9 @@ class Durable:
     def events(self) -> Table:
         return event_table(self.jobs)
 
-    def insert_or_ignore(self, conn: Connection, table: Table, row: dict[str, Any]) -> None:
-        """Insert ``row`` unless its primary key is taken (waiting for an uncommitted row with that key)."""
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
+        """Insert ``row``; if its primary key is taken (waiting for an uncommitted row with that key), set the
+        columns ``update`` to ``row``'s values instead, or leave the row as it is. Each backend's own."""
         raise NotImplementedError
 
     # -- a run's steps --------------------------------------------------------------------
@@ -125,11 +138,9 @@ class Durable:
     def save_step(self, conn: Connection, job_id: int, name: str, value: Any, started: datetime,
                   finished: datetime) -> None:
         """A step (or a passed sleep or wait) is done: its value and times, over a parked row if there is one."""
-        s = self.steps
-        done = {"value": value, "finished_at": finished, "awaiting": None}
-        changed = conn.execute(update(s).where(s.c.job_id == job_id, s.c.name == name).values(**done)).rowcount
-        if not changed:
-            conn.execute(s.insert().values(job_id=job_id, name=name, started_at=started, until=None, **done))
+        row = {"job_id": job_id, "name": name, "value": value, "until": None, "awaiting": None, "started_at": started,
+               "finished_at": finished}
+        self.upsert(conn, self.steps, row, ("value", "awaiting", "finished_at"))
 
     def park(self, conn: Connection, job_id: int, name: str, until: datetime, started: datetime,
              key: str | None) -> bool:
@@ -138,14 +149,13 @@ class Durable:
         (then nothing waits: the job should be due now)."""
         if key is not None:
             e = self.events
-            self.insert_or_ignore(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": self.now()})
+            self.upsert(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": self.now()})
             emitted = conn.execute(select(e.c.emitted_at).where(e.c.key == key).with_for_update()).scalar()
             if emitted is not None:
                 return True
-        s = self.steps
-        values = {"until": until, "awaiting": key}
-        if not conn.execute(update(s).where(s.c.job_id == job_id, s.c.name == name).values(**values)).rowcount:
-            conn.execute(s.insert().values(job_id=job_id, name=name, started_at=started, value=None, **values))
+        row = {"job_id": job_id, "name": name, "value": None, "until": until, "awaiting": key, "started_at": started,
+               "finished_at": None}
+        self.upsert(conn, self.steps, row, ("until", "awaiting"))
         return False
 
     def hold(self, conn: Connection, fence: Fence) -> bool:
@@ -169,6 +179,11 @@ class Durable:
                                                   s.c.until.is_not(None)).values(until=now)).rowcount
         return ended
 
+    def open_connections(self, conn: Connection) -> int | None:
+        """How many connections the server has open to this database (``bench --durable``: parked jobs hold
+        none); None where there is no server to ask."""
+        return None
+
     def forget_steps(self, conn: Connection, job_ids: Sequence[int]) -> None:
         """Pruned jobs take their steps with them."""
         s = self.steps
@@ -187,24 +202,31 @@ class Durable:
         """Emit ``key`` with ``data`` in the caller's transaction: None if it was emitted before (the first
         emit wins, this one changes nothing), else how many parked jobs it made due now (they run when
         this transaction commits; listening workers are woken then)."""
-        e, s, t = self.events, self.steps, self.jobs
+        e = self.events
         now = self.now()
-        self.insert_or_ignore(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": now})
+        self.upsert(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": now})
         won = conn.execute(update(e).where(e.c.key == key, e.c.emitted_at.is_(None))
                            .values(data=data, emitted_at=now)).rowcount
         if not won:
             return None
-        # A locking read: MariaDB's REPEATABLE READ then sees the latest parked rows, not its snapshot.
-        waiting = list(conn.scalars(select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
-                                    .with_for_update()))
-        woken = 0
-        for start in range(0, len(waiting), 1000):
-            chunk = waiting[start:start + 1000]
-            woken += conn.execute(update(t).where(t.c.id.in_(chunk), t.c.state == "pending")
-                                  .values(run_at=case((t.c.run_at > now, now), else_=t.c.run_at))).rowcount
-        if woken:
+        woken = self.wake_waiting(conn, key)
+        # One NOTIFY per transaction is enough (PostgreSQL folds identical ones at commit anyway): an emit of
+        # 10,000 events in one transaction is 10,000 round trips fewer.
+        transaction = conn.get_transaction()
+        if woken and conn.info.get(_NOTIFIED) is not transaction:
             self.notify(conn)
+            conn.info[_NOTIFIED] = transaction
         return woken
+
+    def wake_waiting(self, conn: Connection, key: str) -> int:
+        """The jobs parked waiting for ``key`` become due now; how many. One statement: its subquery reads the
+        parked steps committed before it started, which includes any park this emit's row lock waited for
+        (MariaDB/MySQL, whose REPEATABLE READ would read its snapshot, override it with a locking read)."""
+        s, t = self.steps, self.jobs
+        now = self.now()
+        waiting = select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
+        return conn.execute(update(t).where(t.c.id.in_(waiting), t.c.state == "pending")
+                            .values(run_at=case((t.c.run_at > now, now), else_=t.c.run_at))).rowcount
 
     def waiting_for(self, conn: Connection, key: str) -> list[int]:
         """The jobs parked waiting for ``key``, by id."""

@@ -47,6 +47,7 @@ from sqlalchemy.types import TypeEngine
 from sqlalchemy.util import await_only
 from sqlalchemy.util.concurrency import in_greenlet
 
+from ._durable import upsert_statement
 from ._unique import on_conflict_insert
 from .base import Claimed, Driver, IndexDefinition, run_times_in_python
 
@@ -293,8 +294,8 @@ class SQLiteDriver(Driver):
         # Writers take turns on SQLite, so the conflict is always with a committed holder.
         return on_conflict_insert(self, conn, row, sqlite.insert)
 
-    def insert_or_ignore(self, conn: Connection, table: Table, row: dict[str, Any]) -> None:
-        conn.execute(sqlite.insert(table).values(**row).on_conflict_do_nothing())
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
+        conn.execute(upsert_statement(sqlite.insert(table).values(**row), table, update))
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("json_insert(COALESCE(errors, '[]'), '$[#]', json(:entry))").bindparams(entry=json.dumps(entry))

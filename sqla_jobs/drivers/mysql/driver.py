@@ -39,6 +39,7 @@ from sqlalchemy import (
     Select,
     Table,
     bindparam,
+    case,
     delete,
     func,
     insert,
@@ -253,10 +254,24 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
             entry=json.dumps(entry)
         )
 
-    def insert_or_ignore(self, conn: Connection, table: Table, row: dict[str, Any]) -> None:
-        # Not INSERT IGNORE, which also turns errors other than the duplicate key into warnings.
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
+        # Nothing to update: the key set to itself (not INSERT IGNORE, which turns other errors into warnings).
+        stmt = mysql.insert(table).values(**row)
         first = table.primary_key.columns.values()[0]
-        conn.execute(mysql.insert(table).values(**row).on_duplicate_key_update({first.name: first}))
+        changes = {c: stmt.inserted[c] for c in update} or {first.name: first}
+        conn.execute(stmt.on_duplicate_key_update(changes))
+
+    def wake_waiting(self, conn: Connection, key: str) -> int:
+        # A locking read first: REPEATABLE READ then reads the latest parked steps, not this transaction's snapshot.
+        s, t = self.steps, self.jobs
+        ids = list(conn.scalars(select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
+                                .with_for_update()))
+        now = self.now()
+        woken = 0
+        for start in range(0, len(ids), 1000):
+            woken += conn.execute(update(t).where(t.c.id.in_(ids[start:start + 1000]), t.c.state == "pending")
+                                  .values(run_at=case((t.c.run_at > now, now), else_=t.c.run_at))).rowcount
+        return woken
 
     def dead_letter(self, conn: Connection, fence: Fence, error: str) -> bool:
         t, d = self.jobs, self.dead

@@ -40,6 +40,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
 
 from ...errors import ConfigError
+from .._durable import upsert_statement
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
 from . import capped, handoff, keepalive, partitions
@@ -348,8 +349,8 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
             return partitions.insert_unique(self, conn, row)
         return on_conflict_insert(self, conn, row, postgresql.insert)
 
-    def insert_or_ignore(self, conn: Connection, table: Table, row: dict[str, Any]) -> None:
-        conn.execute(postgresql.insert(table).values(**row).on_conflict_do_nothing())
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
+        conn.execute(upsert_statement(postgresql.insert(table).values(**row), table, update))
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("COALESCE(errors, '[]'::jsonb) || jsonb_build_array(CAST(:entry AS jsonb))").bindparams(
