@@ -169,9 +169,10 @@ def run_durable(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"settings": vars_of(args), "medians": summary, "runs": results}, indent=2))
         return 0
-    print(f"\nsqla-jobs bench --durable on {url.get_backend_name()}: {args.latency_samples} jobs of 10 steps (1 process x 1 thread), "
-          f"{args.latency_samples} emits (1 process x {args.concurrency} threads); {args.waiters:,} waiters "
-          f"({args.processes} process(es) x {args.concurrency} threads); median of {args.runs} run(s)")
+    print(f"\nsqla-jobs bench --durable on {url.get_backend_name()}: {args.latency_samples} jobs of 10 steps "
+          f"(1 process x 1 thread), {args.latency_samples} emits (1 process x {args.concurrency} threads); "
+          f"{args.waiters:,} waiters ({args.processes} process(es) x {args.concurrency} threads); "
+          f"median of {args.runs} run(s)")
     for name, value in summary.items():
         print(f"  {name:<62} {value:>12,.2f}")
     return 0
