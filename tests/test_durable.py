@@ -7,6 +7,7 @@ tests/test_durable_crash.py.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -15,7 +16,7 @@ import pytest
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 
-from sqla_jobs import AsyncWorker, InvalidJob
+from sqla_jobs import AsyncWorker, InvalidJob, Worker
 from tests import durable_app
 from tests.conftest import Database
 from tests.helpers import effects, enqueue, job, run_burst, utc
@@ -177,3 +178,26 @@ def test_prune_takes_a_pruned_jobs_steps_and_old_events_with_it(db: Database) ->
     assert job(db.engine, job_id) is None and steps(db, job_id) == {}
     with Session(db.engine) as session:
         assert queue.get_event(session, "pruned") is None
+
+
+def test_an_emit_wakes_a_listening_postgresql_worker_at_once(pg: Database) -> None:
+    """The emit's commit notifies the listening workers: one that polls only every 30 s resumes the job at once."""
+    queue.create_tables(pg.engine)
+    worker = Worker(pg.engine, queue, concurrency=2, poll_interval=30, listen=True)
+    thread = threading.Thread(target=lambda: worker.run(install_signals=False))
+    thread.start()
+    try:
+        job_id = enqueue(pg.engine, "d_wait", {"key": "listen"})  # the insert's own NOTIFY: it parks at once
+        began = time.monotonic()
+        while not steps(pg, job_id).get("event:listen") and time.monotonic() - began < 15:
+            time.sleep(0.05)
+        time.sleep(0.5)  # parked, and the worker back to its wait
+        emit(pg, "listen", "now")
+        began = time.monotonic()
+        while job(pg.engine, job_id).state != "finished" and time.monotonic() - began < 15:  # type: ignore[union-attr]
+            time.sleep(0.05)
+        waited = time.monotonic() - began
+    finally:
+        worker.stop()
+        thread.join(30)
+    assert job(pg.engine, job_id).result == {"data": "now"} and waited < 10, f"waited {waited:.1f}s for a poll"  # type: ignore[union-attr]

@@ -28,8 +28,8 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import Fence
 
-__all__ = ["EVENT_SUFFIX", "MAX_EVENT_KEY", "MAX_STEP_NAME", "STEP_SUFFIX", "Durable", "event_table", "step_table",
-           "upsert_statement"]
+__all__ = ["EVENT_SUFFIX", "MAX_EVENT_KEY", "MAX_STEP_NAME", "STEP_SUFFIX", "Durable", "emit_statement", "event_table",
+           "step_table", "upsert_statement"]
 
 #: ``<jobs table>_steps`` and ``<jobs table>_events``, in the jobs table's schema.
 STEP_SUFFIX = "_steps"
@@ -100,6 +100,15 @@ def upsert_statement(stmt: Any, table: Table, update: Sequence[str]) -> Any:
         return stmt.on_conflict_do_nothing()
     return stmt.on_conflict_do_update(index_elements=list(table.primary_key.columns),
                                       set_={c: stmt.excluded[c] for c in update})
+
+
+def emit_statement(stmt: Any, table: Table) -> Any:
+    """``emit_row`` in one statement for PostgreSQL and SQLite (``stmt``: their ``insert(events).values(row)``):
+    on the key's conflict, the row becomes the emitted event only while it is not one. It returns the key
+    if this emit won, no row if an earlier one had (a RETURNING: the driver's rowcount is -1 here)."""
+    return stmt.on_conflict_do_update(index_elements=[table.c.key],
+                                      set_={"data": stmt.excluded.data, "emitted_at": stmt.excluded.emitted_at},
+                                      where=table.c.emitted_at.is_(None)).returning(table.c.key)
 
 
 class Durable:
@@ -202,12 +211,7 @@ class Durable:
         """Emit ``key`` with ``data`` in the caller's transaction: None if it was emitted before (the first
         emit wins, this one changes nothing), else how many parked jobs it made due now (they run when
         this transaction commits; listening workers are woken then)."""
-        e = self.events
-        now = self.now()
-        self.upsert(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": now})
-        won = conn.execute(update(e).where(e.c.key == key, e.c.emitted_at.is_(None))
-                           .values(data=data, emitted_at=now)).rowcount
-        if not won:
+        if not self.emit_row(conn, key, data):
             return None
         woken = self.wake_waiting(conn, key)
         # One NOTIFY per transaction is enough (PostgreSQL folds identical ones at commit anyway): an emit of
@@ -217,6 +221,16 @@ class Durable:
             self.notify(conn)
             conn.info[_NOTIFIED] = transaction
         return woken
+
+    def emit_row(self, conn: Connection, key: str, data: Any) -> bool:
+        """Write event ``key`` emitted with ``data`` unless it was emitted before; whether this emit did. Two
+        statements: the key's row made if missing (a park's rendezvous row may be there), then set emitted
+        while it is not (PostgreSQL and SQLite do both in one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``)."""
+        e = self.events
+        now = self.now()
+        self.upsert(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": now})
+        return bool(conn.execute(update(e).where(e.c.key == key, e.c.emitted_at.is_(None))
+                                 .values(data=data, emitted_at=now)).rowcount)
 
     def wake_waiting(self, conn: Connection, key: str) -> int:
         """The jobs parked waiting for ``key`` become due now; how many. One statement: its subquery reads the

@@ -40,7 +40,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
 
 from ...errors import ConfigError
-from .._durable import upsert_statement
+from .._durable import emit_statement, upsert_statement
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
 from . import capped, handoff, keepalive, partitions
@@ -351,6 +351,11 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
 
     def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
         conn.execute(upsert_statement(postgresql.insert(table).values(**row), table, update))
+
+    def emit_row(self, conn: Connection, key: str, data: Any) -> bool:
+        row = {"key": key, "data": data, "emitted_at": self.now(), "created_at": self.now()}
+        stmt = emit_statement(postgresql.insert(self.events).values(**row), self.events)
+        return conn.execute(stmt).first() is not None
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("COALESCE(errors, '[]'::jsonb) || jsonb_build_array(CAST(:entry AS jsonb))").bindparams(
