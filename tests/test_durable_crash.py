@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -60,3 +61,35 @@ def test_a_worker_killed_in_and_after_each_step_repeats_only_the_step_it_died_in
         assert runs == {f"step-t{i}": 1 for i in range(5)}, point
         with Session(db.engine) as session:
             assert [s.name for s in durable_app.queue.job_steps(session, job_id)] == [f"t{i}" for i in range(5)]
+
+
+def test_a_sleep_outlives_the_worker_that_parked_it_and_wakes_once(db: Database) -> None:
+    """The worker that parked the job is stopped (SIGTERM) while it sleeps; another one, started later, resumes
+    it at its due time: once, and the steps before the sleep do not run again."""
+    job_id = enqueue(db.engine, "d_sleep", {"seconds": 3})
+    command = [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "WARNING", "worker", "--concurrency", "2",
+               "--poll-interval", "0.1", "--app", "tests.durable_app:queue"]
+    first = forkserver.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "step-before" not in [e for _, _, e in effects(db.engine, job_id)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+    finally:
+        first.terminate()
+        first.communicate(timeout=60)
+    parked = job(db.engine, job_id)
+    assert parked is not None and parked.state == "pending" and parked.attempts == 0
+    second = forkserver.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while job(db.engine, job_id).state != "finished" and time.monotonic() < deadline:  # type: ignore[union-attr]
+            time.sleep(0.1)
+    finally:
+        second.terminate()
+        second.communicate(timeout=60)
+    done = job(db.engine, job_id)
+    assert done is not None and done.state == "finished" and done.result == "woke" and done.attempts == 1
+    assert [e for _, _, e in effects(db.engine, job_id) if e.startswith("step-")] == ["step-before", "step-after"]
