@@ -72,7 +72,7 @@ class JobContext:
     progress: Any = None
     # What reads the job's graph: the worker's executor (``upstreams(job_id)``, ``upstreams_async(job_id)``).
     _graph: Any = field(default=None, repr=False)
-    # What keeps the job's steps (``sqla_jobs._durable.DurableStore``: the worker's executor), and this run's
+    # What keeps the job's steps (``sqla_jobs._durable.DurableStore``: ``sqla_jobs.worker.steps``), and this run's
     # view of them, read at its first step.
     _durable: Any = field(default=None, repr=False)
     _book: Any = field(default=None, repr=False)

@@ -65,7 +65,7 @@ __all__ = ["DurableStore", "emit_event", "step", "step_async", "wait_for_event",
 
 
 class DurableStore(Protocol):
-    """What a worker's executor gives a run for its steps (``JobContext._durable``)."""
+    """What a worker gives a run for its steps (``JobContext._durable``: ``sqla_jobs.worker.steps``)."""
 
     driver: Driver
     step_limit: int

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from .._app import JobEvent, JobQueue
@@ -49,6 +49,7 @@ from ..errors import JobParked
 from .async_wake import AsyncWake
 from .executor import Executor, Outcome, Run, _ClaimLost, outcome_of
 from .outage import DatabaseKey, watch
+from .steps import AsyncStepStore
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -69,6 +70,7 @@ class AsyncExecutor(Executor):
                          wake, count_queues=count_queues)  # type: ignore[arg-type]  # Event's three methods
         self.async_engine = engine
         self._loop = loop
+        self.steps = AsyncStepStore(engine, driver, self._result_limit, loop)
         # Plain handlers' threads, started on demand up to ``concurrency``; the calls they take.
         self._calls: stdlib_queue.SimpleQueue[Any] = stdlib_queue.SimpleQueue()
         self._idle = 0  # threads waiting for a call, or started for one and not yet waiting
@@ -83,27 +85,6 @@ class AsyncExecutor(Executor):
         async with self.async_engine.connect() as conn:
             return await conn.run_sync(lambda sync: self.driver.upstreams(sync, job_id))
 
-    # A durable job's steps: a plain handler's on its thread go through the loop, as upstreams do.
-
-    def read(self, action: Callable[[Connection], Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(self.read_async(action), self._loop).result()
-
-    def write(self, action: Callable[[Connection], Any]) -> Any:
-        return asyncio.run_coroutine_threadsafe(self.write_async(action), self._loop).result()
-
-    async def read_async(self, action: Callable[[Connection], Any]) -> Any:
-        async with self.async_engine.connect() as conn:
-            return await conn.run_sync(action)
-
-    async def write_async(self, action: Callable[[Connection], Any]) -> Any:
-        def written(conn: Connection) -> Any:
-            self.driver.begin_write(conn)
-            result = action(conn)
-            conn.commit()
-            return result
-
-        async with self.async_engine.connect() as conn:
-            return await conn.run_sync(written)
 
     def start(self) -> None:
         """Nothing to start: a task is made per run."""

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from .._app import JobEvent, JobQueue
@@ -44,6 +44,7 @@ from ..drivers.base import Claimed, Driver, Fence
 from ..errors import ConfigError, InvalidJob, JobCancel, JobParked, JobSnooze
 from .outage import DatabaseKey, watch
 from .runs import InvalidResult, Outcome, Run, _CancelBeforeCommit, _ClaimLost, outcome_of
+from .steps import StepStore
 
 __all__ = ["Executor", "Outcome", "Run"]
 
@@ -77,7 +78,7 @@ class Executor:
         #: Runs whose handler set a progress value not yet written (JobContext.set_progress fills it).
         self.progress: dict[Fence, JobContext] = {}
         self._result_limit = queue.job_model.max_result_bytes
-        self.step_limit = self._result_limit  # a durable job's step values (sqla_jobs._durable) are results too
+        self.steps = StepStore(engine, driver, self._result_limit)  # a durable job's steps (sqla_jobs._durable)
         self._progress_limit = queue.job_model.max_progress_bytes
         self._fate = threading.Lock()  # orders abandon against a transactional run starting to commit
         self._abandoned = 0  # how many of running were given up on
@@ -103,7 +104,7 @@ class Executor:
         fence = job.fence
         # Positional: this runs per job, and keyword arguments cost more (fields as in JobContext).
         ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.worker_name,
-                         None, None, False, self.progress, fence, self._progress_limit, None, self, self)
+                         None, None, False, self.progress, fence, self._progress_limit, None, self, self.steps)
         run = Run(job, handler, ctx, now, now + timeout if timeout else None)
         self.running[fence] = run
         if self._count_queues:
@@ -120,22 +121,6 @@ class Executor:
 
     async def upstreams_async(self, job_id: int) -> list[Any]:
         return await asyncio.to_thread(self.upstreams, job_id)
-
-    # A durable job's steps (sqla_jobs._durable.DurableStore): short reads and writes of their own.
-
-    def read(self, action: Callable[[Connection], Any]) -> Any:
-        with self.engine.connect() as conn:
-            return action(conn)
-
-    def write(self, action: Callable[[Connection], Any]) -> Any:
-        with self.driver.write(self.engine) as conn:
-            return action(conn)
-
-    async def read_async(self, action: Callable[[Connection], Any]) -> Any:
-        return await asyncio.to_thread(self.read, action)
-
-    async def write_async(self, action: Callable[[Connection], Any]) -> Any:
-        return await asyncio.to_thread(self.write, action)
 
     def _dispatch(self, run: Run) -> None:
         """Hand the run to a handler thread (the async executor starts a task instead)."""
@@ -380,8 +365,7 @@ class Executor:
                 raise _CancelBeforeCommit("cancel requested before the commit: its writes rolled back")
 
     def _commit_parked(self, run: Run, session: Session) -> None:
-        """A transactional handler parked (sleep, wait): its writes and finished steps commit now, fenced by
-        the job's row lock, without finishing the job; the park itself is written as its outcome."""
+        """A transactional handler parked: its writes and steps commit now, fenced, the job left running."""
         session.flush()
         if not self.driver.hold(session.connection(), run.job.fence):
             raise _ClaimLost()
