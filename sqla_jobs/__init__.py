@@ -7,6 +7,8 @@ by ``sqla-jobs worker``. See README.md and docs/ for the guide.
 from ._app import JobEvent, JobQueue
 from ._async_admin import AsyncAdmin
 from ._backoff import Backoff
+from ._batch import Batch, BatchStatus
+from ._batch_admin import BatchSummary
 from ._context import JobContext, current_job
 from ._limits import limits_table
 from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
@@ -36,6 +38,9 @@ __all__ = [
     "AsyncAdmin",
     "AsyncWorker",
     "Backoff",
+    "Batch",
+    "BatchStatus",
+    "BatchSummary",
     "ConfigError",
     "ConnectionProblem",
     "DeadJobMixin",

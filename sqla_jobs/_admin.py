@@ -23,6 +23,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 
 from . import _periodic
+from ._batch import Batch, add_members
 from ._durable_admin import DurableAdmin
 from ._fields import check_row
 from ._models import STATES, JobMixin
@@ -150,7 +151,8 @@ class Admin(DurableAdmin, Generic[J]):
         self.check_job(SimpleNamespace(**{**row, "payload": as_payload(item.get("payload", {}))}))
         return row
 
-    def enqueue_many(self, session: Session, jobs: Iterable[Mapping[str, Any]]) -> int:
+    def enqueue_many(self, session: Session, jobs: Iterable[Mapping[str, Any]], *,
+                     batch: Batch | int | None = None) -> int:
         """Insert many jobs fast, in ``session``'s transaction; returns how many.
 
         Each item is a mapping with ``kind`` and optionally ``payload``,
@@ -164,12 +166,16 @@ class Admin(DurableAdmin, Generic[J]):
         ``enqueue_unique``, after the items without one: one whose key is
         held (by an existing job or an earlier item) is skipped, and the
         count leaves it out.
+
+        ``batch`` (a ``Batch``, or a batch's id): the jobs are its members (``sqla_jobs._batch``).
         """
         _not_async(session, "enqueue_many")
         rows = [self._checked_row(item) for item in jobs]
         session.flush()  # keep the order of jobs added earlier in this session
         conn = session.connection()
         driver = self.driver(conn)
+        if batch is not None:
+            return add_members(session, driver, self.job_model.__table__, batch, rows)  # type: ignore[attr-defined]
         plain = [row for row in rows if row["unique_key"] is None]
         if plain:
             driver.insert_many(conn, plain)

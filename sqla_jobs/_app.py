@@ -44,6 +44,7 @@ from sqlalchemy import Connection, Engine
 from ._admin import Admin
 from ._async_admin import AsyncAdmin
 from ._backoff import Backoff
+from ._batch_admin import BatchAdmin
 from ._fields import add_enqueue_check
 from ._graph import register_tables
 from ._models import DeadJobMixin, JobMixin
@@ -57,7 +58,7 @@ J = TypeVar("J", bound=JobMixin)
 D = TypeVar("D", bound=DeadJobMixin)
 
 
-class JobQueue(Registry, Admin[J], Generic[J, D]):
+class JobQueue(Registry, Admin[J], BatchAdmin, Generic[J, D]):
     """The app: handlers and hooks for one jobs table and its dead-letter table, and the admin operations on them."""
 
     def __init__(

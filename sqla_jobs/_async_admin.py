@@ -83,9 +83,10 @@ class AsyncAdmin(Generic[J]):
                        unique_states=unique_states, unique_period=unique_period, **fields)
         return await _run(session, "enqueue_unique", call)
 
-    async def enqueue_many(self, session: AsyncSession, jobs: Iterable[Mapping[str, Any]]) -> int:
+    async def enqueue_many(self, session: AsyncSession, jobs: Iterable[Mapping[str, Any]], *,
+                           batch: Any = None) -> int:
         """``queue.enqueue_many`` on an ``AsyncSession`` (COPY on PostgreSQL); returns how many were inserted."""
-        return await _run(session, "enqueue_many", partial(self._admin.enqueue_many, jobs=jobs))
+        return await _run(session, "enqueue_many", partial(self._admin.enqueue_many, jobs=jobs, batch=batch))
 
     # -- reads -------------------------------------------------------------------
 
@@ -105,6 +106,14 @@ class AsyncAdmin(Generic[J]):
     async def get_job(self, session: AsyncSession, job_id: int) -> Any:
         """``queue.get_job``: the job's row, or None."""
         return await _run(session, "get_job", partial(self._admin.get_job, job_id=job_id))
+
+    async def batch(self, session: AsyncSession, batch_id: int) -> Any:
+        """``queue.batch``: how a batch stands (``BatchStatus``), or None."""
+        return await _run(session, "batch", partial(self._admin.batch, batch_id=batch_id))  # type: ignore[attr-defined]
+
+    async def batches(self, session: AsyncSession, *, limit: int = 50, before: int | None = None) -> Any:
+        """``queue.batches``: the newest batches (``BatchSummary``)."""
+        return await _run(session, "batches", partial(self._admin.batches, limit=limit, before=before))  # type: ignore[attr-defined]
 
     async def get_dead(self, session: AsyncSession, job_id: int) -> Any:
         """``queue.get_dead``: the dead job's row, or None."""

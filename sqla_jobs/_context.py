@@ -45,6 +45,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from . import _durable
+from ._batch import BatchStatus, status_of
 from ._payload import MAX_PROGRESS_BYTES, encode_value
 from .errors import JobCancel
 
@@ -70,7 +71,7 @@ class JobContext:
     _fence: Any = field(default=None, repr=False)
     _progress_limit: int = field(default=MAX_PROGRESS_BYTES, repr=False)
     progress: Any = None
-    # What reads the job's graph: the worker's executor (``upstreams(job_id)``, ``upstreams_async(job_id)``).
+    # What reads the job's graph and batch: the worker's executor (``read(statement)``, ``read_async``).
     _graph: Any = field(default=None, repr=False)
     # What keeps the job's steps (``sqla_jobs._durable.DurableStore``: ``sqla_jobs.worker.steps``), and this run's
     # view of them, read at its first step.
@@ -116,21 +117,37 @@ class JobContext:
         None for an upstream that returned None, one that ran anyway's failed upstream (dead-lettered or
         cancelled), or one pruned since. One read of the database per call; from an ``async def``
         handler, ``await upstream_results_async()`` instead."""
-        return [row.result for row in self._graph_reader().upstreams(self.id)]
+        return [row.result for row in self._graph_reader().read(self._upstreams)]
 
     async def upstream_results_async(self) -> list[Any]:
         """``upstream_results()`` for an ``async def`` handler: the read does not block the event loop."""
-        return [row.result for row in await self._graph_reader().upstreams_async(self.id)]
+        return [row.result for row in await self._graph_reader().read_async(self._upstreams)]
 
     def upstreams(self) -> list[Any]:
         """The jobs this one depends on, in ``depends_on`` order: rows of (``position``, ``id``, ``state``,
         ``result``, ``ended``); ``state`` is None for one no longer in the jobs table, ``ended`` says how a
         failed upstream ended (dead, cancelled, purged) when this job ran anyway."""
-        return self._graph_reader().upstreams(self.id)
+        return self._graph_reader().read(self._upstreams)  # type: ignore[no-any-return]
+
+    def _upstreams(self, driver: Any, conn: Any) -> list[Any]:
+        return driver.upstreams(conn, self.id)  # type: ignore[no-any-return]
+
+    def batch(self) -> BatchStatus | None:
+        """The batch this job is a callback or a member of, as it stands now (``sqla_jobs._batch``): its
+        members' counts (``finished``, ``dead``, ``cancelled``, ``waiting``); None when it is in no batch.
+        From an ``async def`` handler, ``await batch_async()``."""
+        return self._graph_reader().read(self._batch)  # type: ignore[no-any-return]
+
+    async def batch_async(self) -> BatchStatus | None:
+        """``batch()`` for an ``async def`` handler."""
+        return await self._graph_reader().read_async(self._batch)  # type: ignore[no-any-return]
+
+    def _batch(self, driver: Any, conn: Any) -> BatchStatus | None:
+        return status_of(driver, conn, driver.batch_of(conn, self.id))
 
     def _graph_reader(self) -> Any:
         if self._graph is None:
-            raise LookupError("upstream_results() needs a job run by a sqla-jobs worker")
+            raise LookupError("upstream_results() and batch() need a job run by a sqla-jobs worker")
         return self._graph
 
     # -- durable jobs (sqla_jobs._durable) -------------------------------------------------------

@@ -49,10 +49,10 @@ from sqlalchemy import Connection, Table, event
 from sqlalchemy.orm import Session, UOWTransaction
 from sqlalchemy.orm.attributes import instance_dict, instance_state
 
-from .drivers import FAILURE_POLICIES, Driver, driver_for, edge_table
+from .drivers import ERRBACK, FAILURE_POLICIES, Driver, driver_for, edge_table
 from .errors import InvalidJob
 
-__all__ = ["DependsOn", "check_policy", "register_tables"]
+__all__ = ["DependsOn", "check_policy", "driver_of", "is_job", "register_tables"]
 
 #: Each jobs table's dead-letter table, as the ``JobQueue`` that pairs them said (for the flush's checks).
 _DEAD: weakref.WeakKeyDictionary[Table, Table] = weakref.WeakKeyDictionary()
@@ -98,7 +98,7 @@ class DependsOn:
             raise InvalidJob(f"Job.depends_on must be a list of jobs or job ids, got {value!r}")
         upstreams = tuple(value)
         for upstream in upstreams:
-            if isinstance(upstream, bool) or not (isinstance(upstream, int) or _is_job(upstream)):
+            if isinstance(upstream, bool) or not (isinstance(upstream, int) or is_job(upstream)):
                 raise InvalidJob(f"Job.depends_on holds jobs (objects of a JobMixin model) or their ids, "
                                  f"got {upstream!r}")
             if upstream is job:
@@ -112,12 +112,12 @@ class DependsOn:
                 _UNFLUSHED.discard(job)
 
 
-def _is_job(value: Any) -> bool:
+def is_job(value: Any) -> bool:
     """An object of a job model (JobMixin's models import this module: known by their ``depends_on``)."""
     return isinstance(getattr(type(value), "depends_on", None), DependsOn)
 
 
-def _driver(conn: Connection, jobs: Table) -> Driver:
+def driver_of(conn: Connection, jobs: Table) -> Driver:
     key = (type(conn.dialect), jobs)
     driver = _DRIVERS.get(key)
     if driver is None:
@@ -176,7 +176,7 @@ def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
                                  f"not {jobs.name!r}: a dependency stays within one jobs table")
             if instance_state(upstream).key is not None:
                 existing.add(upstream.id)
-    driver = _driver(conn, jobs)
+    driver = driver_of(conn, jobs)
     states = driver.lock_upstreams(conn, sorted(existing)) if existing else {}
     missing = existing - states.keys()
     if missing:
@@ -191,7 +191,11 @@ def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
         waiting = 0
         for upstream in distinct[id(job)]:
             flushed = isinstance(upstream, int) or instance_state(upstream).key is not None
-            state = states[_id_of(upstream)] if flushed else "pending"  # a new one, in this flush
+            # A new one is in this flush.
+            state, policy = states[_id_of(upstream)] if flushed else ("pending", upstream.on_upstream_failure)
+            if policy == ERRBACK:
+                raise InvalidJob(f"a new job depends on a batch's on_failure callback ({upstream!r}), which is "
+                                 "skipped when no member fails; depend on the batch's on_complete callback instead")
             if state == "cancelled" and job.on_upstream_failure != "run":
                 raise InvalidJob(f"a new job depends on job {_id_of(upstream)}, which was cancelled and will never "
                                  "finish (give the dependent on_upstream_failure='run' to run it anyway)")
@@ -274,4 +278,4 @@ def _after_flush(session: Session, flush_context: UOWTransaction) -> None:
         with _UNFLUSHED_LOCK:
             _UNFLUSHED.discard(job)
     for jobs, rows in by_table.items():
-        _driver(conn, jobs).add_edges(conn, rows)
+        driver_of(conn, jobs).add_edges(conn, rows)

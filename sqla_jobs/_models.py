@@ -61,6 +61,7 @@ from sqlalchemy.orm import Mapped, Mapper, declared_attr, mapped_column, validat
 from sqlalchemy.orm.attributes import instance_dict
 
 from . import _payload
+from ._batch import BatchOf
 from ._fields import MAX_KIND_LENGTH, MAX_QUEUE_LENGTH, enqueue_checks, int_field, text_field, unique_fields, utc
 from ._graph import DependsOn, check_policy
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, PayloadType
@@ -70,6 +71,7 @@ from .drivers import (
     DatabaseNow,
     GeneratedColumn,
     attach_table_events,
+    batch_table,
     column_type,
     edge_table,
     event_table,
@@ -251,6 +253,8 @@ class JobMixin(_Common):
 
     #: The jobs this one waits for (objects or ids), set before its first flush (``sqla_jobs._graph``).
     depends_on: ClassVar[DependsOn] = DependsOn()
+    #: The ``Batch`` (or a batch's id) this job is a member of, set before its first flush (``sqla_jobs._batch``).
+    batch: ClassVar[BatchOf] = BatchOf()
 
     @validates("run_at")
     def _check_run_at(self, key: str, value: Any) -> datetime | None:
@@ -394,3 +398,4 @@ def _add_notify_trigger(mapper: Mapper[Any], cls: type[JobMixin]) -> None:
     edge_table(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_deps, in the same metadata (sqla_jobs._graph)
     step_table(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_steps and <jobs>_events (sqla_jobs._durable)
     event_table(cls.__table__)  # type: ignore[attr-defined]
+    batch_table(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_batches (sqla_jobs._batch)

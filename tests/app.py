@@ -16,7 +16,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import BigInteger, DateTime, Engine, Integer, String, UniqueConstraint, create_engine, func, insert
-from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 from sqla_jobs import Backoff, DeadJobMixin, JobCancel, JobMixin, JobQueue, JobSnooze, current_job
 
@@ -342,6 +342,35 @@ async def async_join(payload: dict[str, Any]) -> Any:
     results = await current_job().upstream_results_async()
     await arecord("finish")
     return {"upstreams": results}
+
+
+@queue.handler("batch_report")
+def batch_report(payload: dict[str, Any]) -> Any:
+    """A batch's callback: records its start, returns how the batch's members stood (sqla_jobs._batch)."""
+    record("start")
+    batch = current_job().batch()
+    assert batch is not None
+    return {"total": batch.total, "finished": batch.finished, "dead": batch.dead, "cancelled": batch.cancelled,
+            "waiting": batch.waiting}
+
+
+@queue.handler("batch_report_async")
+async def batch_report_async(payload: dict[str, Any]) -> Any:
+    await arecord("start")
+    batch = await current_job().batch_async()
+    assert batch is not None
+    return {"total": batch.total, "finished": batch.finished, "dead": batch.dead, "cancelled": batch.cancelled,
+            "waiting": batch.waiting}
+
+
+@queue.handler("grow")
+def grow(payload: dict[str, Any]) -> None:
+    """A batch member that adds ``payload["more"]`` members to its own batch while it runs (keeping it open)."""
+    record("start")
+    batch = current_job().batch()
+    assert batch is not None
+    with Session(engine()) as session, session.begin():
+        session.add_all(Job(kind="record", payload={}, batch=batch.id) for _ in range(payload.get("more", 0)))
 
 
 @queue.handler("result_async")

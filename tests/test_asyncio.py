@@ -332,3 +332,33 @@ def test_an_async_session_adds_a_graph_and_a_bad_one_fails_at_flush(db: Database
     down_state, by_id_state, ids = run(db, scenario)
     assert (down_state, by_id_state) == ("blocked", "blocked")
     assert len(ids) == 3  # the refused job left nothing
+
+
+def test_an_async_session_makes_a_batch_grows_it_by_copy_and_reads_it(db: Database) -> None:
+    """``Batch`` members through ``AsyncSession`` (the flush) and ``queue.aio.enqueue_many(..., batch=)`` (COPY on
+    psycopg's async connection on PostgreSQL), then ``queue.aio.batch`` and ``queue.aio.batches``."""
+    from sqla_jobs import Batch, InvalidJob
+
+    async def scenario(engine: AsyncEngine) -> tuple[Any, Any]:
+        batch = Batch(on_complete=app.Job(kind="noop", payload={}))
+        async with AsyncSession(engine, expire_on_commit=False) as session, session.begin():
+            session.add_all(app.Job(kind="noop", payload={}, batch=batch) for _ in range(2))
+        async with AsyncSession(engine) as session, session.begin():
+            assert await app.queue.aio.enqueue_many(session, [{"kind": "noop", "payload": {}}] * 3,
+                                                    batch=batch.id) == 3
+        try:
+            async with AsyncSession(engine) as session, session.begin():
+                session.add(app.Job(kind="noop", payload={}, batch=10**9))
+        except InvalidJob as exc:
+            assert "does not exist" in str(exc)
+        else:
+            raise AssertionError("a member of an unknown batch was accepted")
+        async with AsyncSession(engine) as session:
+            status = await app.queue.aio.batch(session, batch.id)
+            [listed] = await app.queue.aio.batches(session)
+            assert listed.id == batch.id
+            callback = await session.get(app.Job, batch.on_complete.id)
+            return status, callback
+
+    status, callback = run(db, scenario)
+    assert (status.total, status.waiting, callback.state, callback.waiting_for) == (5, 5, "blocked", 5)

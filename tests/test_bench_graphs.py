@@ -1,9 +1,9 @@
 """``sqla-jobs bench --graphs``: the job-graph scenarios, run tiny through the CLI on each backend.
 
 Each run drains a real 1 -> N -> 1 graph and a plain backlog with worker processes, runs two chains with
-one listening worker and enqueues with and without dependencies; the bench refuses to print a figure unless
-every job it timed finished. No speed is asserted (docs/performance.md, "Job graphs", has the figures and
-the commands that measure them): only that each figure is there, beside its peer.
+one listening worker, enqueues with and without dependencies and enqueue_many's a batch; the bench refuses
+to print a figure unless every job it timed finished. No speed is asserted (docs/performance.md, "Job
+graphs", has the figures and the commands that measure them): only that each figure is there, beside its peer.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ FIGURES = [
     "enqueue chain of K (jobs/s)",
     "fan-in enqueue cost vs none (target <= 1.3)",
     "chain enqueue cost vs none (target <= 1.3)",
+    "enqueue_many N as a batch, 3 callbacks (jobs/s)",
+    "enqueue_many N, no batch (jobs/s)",
+    "batch enqueue_many cost vs none",
 ]
 TINY = ("--fan-out", "40", "--chain-length", "8", "--jobs", "30", "--latency-samples", "5",
         "--processes", "2", "--concurrency", "4")
@@ -64,13 +67,13 @@ def test_graphs_pick_scenarios_and_print_json(tmp_path: Path) -> None:
                    "--runs", "1", "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert set(report["medians"]) == set(FIGURES[3:]), report["medians"]  # no fan-out: not asked for
+    assert set(report["medians"]) == set(FIGURES[3:-3]), report["medians"]  # no fan-out, no batch: not asked for
     assert all(len(values) == 1 for values in report["runs"].values())
     assert report["settings"]["graphs"] == "enqueue,chain" and report["settings"]["chain_length"] == 8
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (("--graphs", "fan,tree"), "--graphs takes a comma-separated list of fan, chain, enqueue, got 'fan,tree'"),
+    (("--graphs", "fan,tree"), "--graphs takes a comma-separated list of fan, chain, enqueue, batch, got 'fan,tree'"),
     (("--graphs", "--discard-finished"), "not with --discard-finished"),
     (("--graphs", "--soak", "10s"), "--graphs and --soak are two different benches"),
     (("--graphs", "--chain-length", "1"), "--chain-length >= 2"),

@@ -379,13 +379,14 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_partial_db.url).stdout
     [revision] = project.revisions()
     source = revision.read_text()
-    # Exactly the difference: thirteen columns, the dependencies' table and its index, the durable jobs' steps
+    # Exactly the difference: thirteen columns, the dependencies' table and its index, the batches' table and its three
+    # indexes, the durable jobs' steps
     # table with its index and events table (sqla_jobs._durable), five new indexes, the
     # claim index rebuilt in its new column order, and on PostgreSQL the NOTIFY trigger; nothing else.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
     # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
-    expected = sorted(["add_column"] * 13 + ["create_table"] * 3 + ["create_index"] * 8 + ["drop_index"] + ["get_bind"]
+    expected = sorted(["add_column"] * 13 + ["create_table"] * 4 + ["create_index"] * 11 + ["drop_index"] + ["get_bind"]
                       + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [

@@ -25,6 +25,9 @@ medians (``--graphs fan,chain,enqueue`` picks scenarios; all three by default):
   depending on all of them, one ``add_all``) and as a chain (each job depending on the one before), the
   three taking turns going first; jobs/s, and the cost of each graph as its time over the plain one's
   (target <= 1.3), each graph in one ``add_all``, as a user writes it.
+* ``batch``: ``--fan-out`` N jobs through ``queue.enqueue_many`` (COPY on PostgreSQL) in one transaction,
+  as members of a new ``Batch`` with all three callbacks (N members, 3 callbacks, 3N edges) and without a
+  batch, taking turns; jobs/s each, and the batch's cost as its time over the plain one's.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, func, select
 from sqlalchemy.orm import Session
 
+from .._batch import Batch
 from .._bootstrap import database_url, make_engine, missing_database
 from ..errors import ConfigError
 from .app import BenchJob, queue
@@ -48,7 +52,7 @@ from .run import _any_unfinished, _pct, _reset, scratch, vars_of, worker_process
 
 __all__ = ["SCENARIOS", "run_graphs"]
 
-SCENARIOS = ("fan", "chain", "enqueue")
+SCENARIOS = ("fan", "chain", "enqueue", "batch")
 #: Seconds without a job finishing after which a drain is declared stuck: long, since one finish counts down
 #: all of a fan-out's dependents in one statement (minutes for 100,000 on a table without statistics yet).
 STALL = 900.0
@@ -57,6 +61,8 @@ FAN, PLAIN, FAN_RATIO = ("fan-out/fan-in 1 -> N -> 1 (jobs/s)", "plain drain of 
                          "fan-out/fan-in vs plain drain (target >= 0.70)")
 ENQ_NONE, ENQ_FAN, ENQ_CHAIN = ("enqueue without dependencies (jobs/s)", "enqueue fan-in K-1 -> 1 (jobs/s)",
                                 "enqueue chain of K (jobs/s)")
+BATCH, BATCH_PLAIN, BATCH_COST = ("enqueue_many N as a batch, 3 callbacks (jobs/s)",
+                                 "enqueue_many N, no batch (jobs/s)", "batch enqueue_many cost vs none")
 COST_FAN, COST_CHAIN = ("fan-in enqueue cost vs none (target <= 1.3)",
                         "chain enqueue cost vs none (target <= 1.3)")
 
@@ -217,6 +223,21 @@ def enqueue_rates(engine: Engine, kind: str, k: int, turn: int) -> dict[str, flo
     return rates
 
 
+def batch_rates(engine: Engine, kind: str, n: int, turn: int) -> dict[str, float]:
+    """Jobs/s of ``enqueue_many`` of ``n`` jobs as a new batch's members and without; ``turn`` picks the first."""
+    rates = {}
+    for name in ((BATCH, BATCH_PLAIN) if turn % 2 == 0 else (BATCH_PLAIN, BATCH)):
+        _reset(engine)
+        items = [{"kind": kind, "payload": {"i": i}} for i in range(n)]
+        start = time.perf_counter()
+        with Session(engine) as session, session.begin():
+            batch = Batch(**{callback: BenchJob(kind=kind, payload={})
+                             for callback in ("on_complete", "on_success", "on_failure")}) if name == BATCH else None
+            queue.enqueue_many(session, items, batch=batch)
+        rates[name] = n / (time.perf_counter() - start)
+    return rates
+
+
 # -- the run and its report ------------------------------------------------------------------------------
 
 
@@ -256,6 +277,11 @@ def run_graphs(args: argparse.Namespace) -> int:
                     record(name, rate)
                 record(COST_FAN, added[ENQ_NONE] / added[ENQ_FAN])
                 record(COST_CHAIN, added[ENQ_NONE] / added[ENQ_CHAIN])
+            if "batch" in chosen:
+                made = batch_rates(engine, kind, args.fan_out, run)
+                for name, rate in made.items():
+                    record(name, rate)
+                record(BATCH_COST, made[BATCH_PLAIN] / made[BATCH])
             print(f"run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
         engine.dispose()
     summary = {name: statistics.median(values) for name, values in results.items()}
@@ -265,7 +291,7 @@ def run_graphs(args: argparse.Namespace) -> int:
     flavour = "async worker, async no-op handlers" if args.use_async else "threaded worker"
     sizes = {"fan": f"fan-out N = {args.fan_out:,} ({args.processes} process(es) x {args.concurrency} threads)",
              "chain": f"chain of {args.chain_length:,} (1 process x {args.concurrency} threads)",
-             "enqueue": f"enqueue of K = {args.jobs:,}"}
+             "enqueue": f"enqueue of K = {args.jobs:,}", "batch": f"batch of N = {args.fan_out:,}"}
     print(f"\nsqla-jobs bench --graphs on {url.get_backend_name()} ({flavour}): "
           f"{'; '.join(sizes[s] for s in chosen)}; median of {args.runs} run(s)")
     for name, value in summary.items():

@@ -207,12 +207,14 @@ def _neighbours(queue: JobQueue[Any, Any], session: Session, job_id: int, as_jso
     return neighbourhood(queue.driver(conn), conn, job_id, limit=None if as_json else SHOWN_NEIGHBOURS)
 
 
-def _show(row: Any, state: str, as_json: bool, hood: Neighbourhood, steps: list[Any]) -> None:
+def _show(row: Any, state: str, as_json: bool, hood: Neighbourhood, steps: list[Any],
+          batch: Any = None) -> None:
     data = _row_dict(row)
     data.setdefault("state", state)
     if as_json:
         _print_json({**data, "upstreams": [n.to_dict() for n in hood.upstreams],
-                     "dependents": [n.to_dict() for n in hood.dependents], "steps": steps_json(steps)})
+                     "dependents": [n.to_dict() for n in hood.dependents], "batch": batch and batch.id,
+                     "steps": steps_json(steps)})
         return
     errors = data.pop("errors", None) or []
     payload = data.pop("payload", None)
@@ -231,6 +233,9 @@ def _show(row: Any, state: str, as_json: bool, hood: Neighbourhood, steps: list[
         what = "" if entry.get("attempt") is None else f"attempt {entry.get('attempt')} "
         print(f"  {what}at {entry.get('at')}: {entry.get('error')}")
     print_steps(steps)
+    if batch is not None:  # a member's or a callback's (sqla_jobs._batch)
+        label = f" ({batch.label})" if batch.label else ""
+        print(f"batch {batch.id}{label}: `sqla-jobs batches show {batch.id}` for its counts")
     if hood:
         _show_graph(data, state, hood)
 
@@ -272,7 +277,9 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
                 raise NotFound(f"no job with id {args.id}")
         hood = _neighbours(queue, session, args.id, args.json)
         steps = queue.job_steps(session, args.id)
-    _show(row, getattr(row, "state", "dead"), args.json, hood, steps)
+        conn = session.connection()
+        batch = queue.driver(conn).batch_of(conn, args.id) if hood else None
+    _show(row, getattr(row, "state", "dead"), args.json, hood, steps, batch)
     return 0
 
 

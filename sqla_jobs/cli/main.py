@@ -47,6 +47,7 @@ from .admin import (
     cmd_prune,
     cmd_stats,
 )
+from .batches import add_batch_commands
 from .dashboard import add_dashboard_parser
 from .durable import add_events_parser
 from .migrations import add_migrations_parser
@@ -216,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="requeue every dead job")
     p.set_defaults(func=cmd_dead_retry)
 
+    add_batch_commands(sub, common_options, json_flag, positive)
+
     p = sub.add_parser("bench", help="measure enqueue, drain and pickup latency on a scratch schema or file")
     common_options(p, app=False)
     p.add_argument("--jobs", type=int, default=10_000, help="jobs per measurement (default 10000)")
@@ -259,12 +262,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--discard-finished", action="store_true",
                    help="the drain's workers run as `sqla-jobs worker --prune-finished-older-than 0`: each job "
                         "is deleted as it finishes")
-    p.add_argument("--graphs", nargs="?", const="fan,chain,enqueue", metavar="fan,chain,enqueue",
+    p.add_argument("--graphs", nargs="?", const="fan,chain,enqueue,batch", metavar="fan,chain,enqueue,batch",
                    help="instead: job graphs, each beside its peer: a 1 -> N -> 1 graph's drain and a plain one, "
                         "a chain's hop latency and a new job's pickup, --jobs enqueued with dependencies and "
-                        "without (default with the flag: all three)")
+                        "without, N enqueue_many'd as a batch's members and without (default with the flag: all)")
     p.add_argument("--fan-out", type=positive(int), default=100_000, metavar="N",
-                   help="with --graphs: the jobs between the fan-out's root and its join (default 100000)")
+                   help="with --graphs: the jobs between the fan-out's root and its join, and a batch's members "
+                        "(default 100000)")
     p.add_argument("--chain-length", type=positive(int), default=10_000, metavar="M",
                    help="with --graphs: the jobs of the chain (default 10000)")
     p.add_argument("--durable", action="store_true",

@@ -58,6 +58,7 @@ from sqlalchemy.exc import NoSuchModuleError
 from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
+from ._batches import CALLBACK_POLICIES, ERRBACK, batch_table
 from ._durable import event_table, step_table
 from ._graph import FAILURE_POLICIES, edge_table
 from ._setup import GeneratedColumn
@@ -67,12 +68,15 @@ from .postgresql.driver import PostgreSQLDriver
 from .sqlite import SQLiteDriver
 
 __all__ = [
+    "CALLBACK_POLICIES",
+    "ERRBACK",
     "FAILURE_POLICIES",
     "DatabaseNow",
     "Driver",
     "GeneratedColumn",
     "JSONText",
     "attach_table_events",
+    "batch_table",
     "column_type",
     "driver_class",
     "driver_class_of",

@@ -39,14 +39,16 @@ from sqlalchemy import (
     func,
     insert,
     literal,
+    or_,
     select,
     update,
 )
 from sqlalchemy.sql.elements import ColumnElement
 
+from ._batches import ERRBACK, batch_table
 from ._operations import truncate
 
-__all__ = ["EDGE_SUFFIX", "FAILURE_POLICIES", "Graph", "edge_table", "on_upstream_failure"]
+__all__ = ["EDGE_SUFFIX", "FAILURE_POLICIES", "SKIPPED", "Graph", "edge_table", "on_upstream_failure"]
 
 #: The edge table is ``<jobs table>_deps``, in the jobs table's schema.
 EDGE_SUFFIX = "_deps"
@@ -83,6 +85,8 @@ def edge_table(jobs: Table, metadata: MetaData | None = None) -> Table:
 
 #: What a blocked dependent may do when an upstream fails (``Job(on_upstream_failure=...)``; None is the first).
 FAILURE_POLICIES = ("cancel", "run", "wait")
+#: The reason a skipped on_failure callback is given (every upstream finished).
+SKIPPED = "skipped: every member of the batch finished, so on_failure is not needed"
 #: How an upstream can fail, as the reason a cancelled dependent is given.
 _FAILED = {"dead": "was dead-lettered", "cancelled": "was cancelled", "purged": "was purged from the dead letters"}
 
@@ -92,7 +96,7 @@ def on_upstream_failure(policy: str | None, ended: str) -> str:
     purged): ``cancel`` it, ``run`` (count the upstream as done), or ``wait`` (a requeue of the dead
     upstream resumes it). Only a dead upstream can come back, so ``wait`` cancels on the other two:
     nothing would ever release the dependent."""
-    if policy == "run":
+    if policy in ("run", ERRBACK):
         return "run"
     if policy == "wait" and ended == "dead":
         return "wait"
@@ -108,6 +112,7 @@ class Graph:
     if TYPE_CHECKING:  # Driver's own (declared here for the type checker only: Driver must win the MRO)
         def now(self) -> ColumnElement[datetime]: ...
         def notify(self, conn: Connection) -> None: ...
+        def errback_skip(self, t: Table) -> ColumnElement[bool]: ...
 
     @property
     def edges(self) -> Table:
@@ -115,8 +120,9 @@ class Graph:
 
     # -- a new dependent's flush -------------------------------------------------------------
 
-    def lock_upstreams(self, conn: Connection, ids: Sequence[int]) -> dict[int, str]:
-        """Mark existing jobs as having dependents, under their row locks; their states, by id.
+    def lock_upstreams(self, conn: Connection, ids: Sequence[int]) -> dict[int, tuple[str, str | None]]:
+        """Mark existing jobs as having dependents, under their row locks; their states and
+        ``on_upstream_failure``, by id.
 
         The lock is what makes the hand-off race-free: a worker finishing one of them waits for
         this transaction, and its ``unblock`` (a later statement of its transaction) then sees the
@@ -124,15 +130,16 @@ class Graph:
         the result are not in the jobs table (dead-lettered, pruned, or never existed).
         """
         t = self.jobs
-        states: dict[int, str] = {}
+        states: dict[int, tuple[str, str | None]] = {}
         for chunk in _chunks(sorted(set(ids))):
             # The write first: on SQLite it takes the database's write lock before the states are read (a read
             # first let a worker commit a finish in between); on the servers it locks the rows it marks. The
             # read is a locking one, so MariaDB's REPEATABLE READ reads the latest rows, not its snapshot.
             conn.execute(update(t).where(t.c.id.in_(chunk), t.c.state.not_in(("finished", "cancelled")))
                          .values(has_dependents=True))
-            rows = conn.execute(select(t.c.id, t.c.state).where(t.c.id.in_(chunk)).with_for_update())
-            states.update({r.id: r.state for r in rows})
+            rows = conn.execute(select(t.c.id, t.c.state, t.c.on_upstream_failure).where(t.c.id.in_(chunk))
+                                .with_for_update())
+            states.update({r.id: (r.state, r.on_upstream_failure) for r in rows})
         return states
 
     def dead_ids(self, conn: Connection, ids: Sequence[int]) -> set[int]:
@@ -181,10 +188,16 @@ class Graph:
         return counted
 
     def _release(self, conn: Connection, among: Any) -> None:
+        """Blocked jobs ``among`` these at 0 become ``pending``; a batch's on_failure callback none of whose
+        upstreams failed is cancelled instead (``drivers/_batches.py``: it has no dependents of its own)."""
         t = self.jobs
-        now = self.now()
+        now, skip = self.now(), self.errback_skip(t)
         conn.execute(update(t).where(t.c.id.in_(among), t.c.state == "blocked", t.c.waiting_for <= 0)
-                     .values(state="pending", run_at=case((t.c.run_at < now, now), else_=t.c.run_at)))
+                     .values(state=case((skip, "cancelled"), else_="pending"),
+                             run_at=case((t.c.run_at < now, now), else_=t.c.run_at),
+                             finished_at=case((skip, now), else_=t.c.finished_at),
+                             cancelled_at=case((skip, now), else_=t.c.cancelled_at),
+                             last_error=case((skip, SKIPPED), else_=t.c.last_error)))
 
     def blocked_dependents(self, conn: Connection, upstreams: Sequence[int]) -> list[Any]:
         """The blocked dependents of ``upstreams`` whose edge from them is still open:
@@ -262,9 +275,13 @@ class Graph:
     def forget_edges(self, conn: Connection, pruned: Sequence[int]) -> None:
         """Pruned jobs take their own dependencies with them (an upstream's edges stay while its dependent
         is kept: its ``upstreams()`` still lists it, with no state). By the primary key: cheap per batch."""
-        e = self.edges
+        e, b, t = self.edges, batch_table(self.jobs), self.jobs
+        callbacks = [b.c.on_complete_id, b.c.on_failure_id, b.c.on_success_id]
         for chunk in _chunks(sorted(set(pruned))):
             conn.execute(delete(e).where(e.c.downstream_id.in_(chunk)))
+            # A batch goes with the last of its callbacks (its counts were read through their edges).
+            kept = select(t.c.id).where(t.c.id.in_(callbacks)).exists()
+            conn.execute(delete(b).where(or_(*(c.in_(chunk) for c in callbacks)), ~kept))
 
     # -- reading a graph ---------------------------------------------------------------------
 

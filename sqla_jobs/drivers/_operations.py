@@ -15,6 +15,7 @@ from sqlalchemy import Connection, Select, Table, and_, delete, func, insert, in
 from sqlalchemy.sql.elements import ColumnElement
 
 from ..errors import SchemaError
+from ._batches import batch_table
 
 
 def utcnow() -> str:  # only for the human-readable history in `errors`; never used for leases
@@ -83,7 +84,7 @@ class Operations:
     def check_schema(self, conn: Connection) -> None:
         """Raise SchemaError naming what is missing, before a worker touches the tables."""
         inspector = inspect(conn)
-        for table in (self.jobs, self.dead, self.edges, self.steps, self.events):
+        for table in (self.jobs, self.dead, self.edges, batch_table(self.jobs), self.steps, self.events):
             if not inspector.has_table(table.name, schema=table.schema):
                 raise SchemaError(
                     f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: create it "
@@ -351,16 +352,9 @@ class Operations:
         """Delete up to ``limit`` finished or cancelled jobs whose ``finished_at`` is older than
         ``older_than`` seconds; the caller commits each batch so no lock is held for long."""
         t = self.jobs
-        old = (
-            select(t.c.id)
-            .where(
-                t.c.finished_at < self.ago(older_than),
-                t.c.finished_at.is_not(None),
-                t.c.state.in_(("finished", "cancelled")),
-            )
-            .order_by(t.c.finished_at)
-            .limit(limit)
-        )
+        old = (select(t.c.id).where(t.c.finished_at < self.ago(older_than), t.c.finished_at.is_not(None),
+                                    t.c.state.in_(("finished", "cancelled")))
+               .order_by(t.c.finished_at).limit(limit))
         # A row another session is deleting right now is skipped, not waited for.
         gone = list(conn.scalars(delete(t).where(t.c.id.in_(self.skip_locked(old).scalar_subquery()))
                                  .returning(t.c.id)))

@@ -130,6 +130,11 @@ class Relay:
         self.reconnect = reconnect or Backoff(base=0.5, factor=2.0, cap=30.0)
         self.name = f"{socket.gethostname()}:{os.getpid()}:{name or 'relay'}"
         self.driver = app.driver(engine)
+        # A worker's connection settings (PostgreSQL: keepalives and timeouts, so a relay that vanishes mid-
+        # transaction has its session ended and its locks released within seconds; and application_name, which
+        # names the relay in pg_stat_activity). Without them a killed relay's last finish could still commit
+        # long after it was gone, unseen.
+        self.driver.harden(engine, self.name)
         self.counts = RelayCounts()
         self.listen = listen
         self._stop = threading.Event()

@@ -16,7 +16,7 @@ from starlette.templating import Jinja2Templates
 
 from .._admin import Admin
 from ..errors import ConfigError
-from . import _actions, _pages
+from . import _actions, _batch_pages, _pages
 from ._format import when
 from ._samples import KEEP, SAMPLE_INTERVAL
 from ._security import Guard
@@ -59,6 +59,8 @@ def build(
         Route("/jobs", _pages.jobs, name="jobs"),
         Route("/jobs/{job_id:int}", _pages.job, name="job"),
         Route("/dead", _pages.dead, name="dead"),
+        Route("/batches", _batch_pages.batches, name="batches"),
+        Route("/batches/{batch_id:int}", _batch_pages.batch, name="batch"),
         Route("/actions/{action}", _actions.act, methods=["POST"], name="act"),
         Route("/login", _actions.login_form, methods=["GET"], name="login_form"),
         Route("/login", _actions.login, methods=["POST"], name="login"),

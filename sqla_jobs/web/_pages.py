@@ -188,6 +188,7 @@ def job(request: Request) -> Response:
         conn = session.connection()
         timings = None if dead else sql_dashboard.job_timings(site.queue.driver(conn), conn, job_id)
         hood = None if row is None else neighbourhood(site.queue.driver(conn), conn, job_id, limit=NEIGHBOURS)
+        batch = site.queue.driver(conn).batch_of(conn, job_id) if hood else None  # a member's or a callback's
         steps = site.queue.job_steps(session, job_id)  # a durable job's (sqla_jobs._durable)
     if row is None or hood is None:
         return site.render(request, "message.html", 404, heading="No such job",
@@ -200,7 +201,7 @@ def job(request: Request) -> Response:
                               lambda i: str(request.url_for("job", job_id=i))) if hood else None
     return site.render(
         request, "job.html", job=data, dead=dead, state=state, timings=timings,
-        hood=hood, graph=graph, policy=policy_text(data.get("on_upstream_failure")),
+        hood=hood, graph=graph, policy=policy_text(data.get("on_upstream_failure")), batch=batch,
         waiting=[n.id for n in hood.dependents if n.state == "blocked" and n.ended is None] if dead else [],
         payload=json.dumps(data.get("payload"), indent=2, ensure_ascii=False, default=str),
         errors=data.get("errors") or [], steps=steps,

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from .._app import JobEvent, JobQueue
@@ -77,13 +77,13 @@ class AsyncExecutor(Executor):
         self._idle_lock = threading.Lock()
         self._tasks: set[asyncio.Task[Outcome]] = set()  # a strong reference: the loop keeps only weak ones
 
-    def upstreams(self, job_id: int) -> list[Any]:
+    def read(self, statement: Callable[[Driver, Connection], Any]) -> Any:
         """For a plain handler, on its thread: the read runs on the worker's event loop (its engine is async)."""
-        return asyncio.run_coroutine_threadsafe(self.upstreams_async(job_id), self._loop).result()
+        return asyncio.run_coroutine_threadsafe(self.read_async(statement), self._loop).result()
 
-    async def upstreams_async(self, job_id: int) -> list[Any]:
+    async def read_async(self, statement: Callable[[Driver, Connection], Any]) -> Any:
         async with self.async_engine.connect() as conn:
-            return await conn.run_sync(lambda sync: self.driver.upstreams(sync, job_id))
+            return await conn.run_sync(lambda sync: statement(self.driver, sync))
 
 
     def start(self) -> None:

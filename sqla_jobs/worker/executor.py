@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import Engine
+from sqlalchemy import Connection, Engine
 from sqlalchemy.orm import Session
 
 from .._app import JobEvent, JobQueue
@@ -114,13 +114,13 @@ class Executor:
         self._dispatch(run)
         return run
 
-    def upstreams(self, job_id: int) -> list[Any]:
-        """A job's upstreams (``current_job().upstreams()``, ``upstream_results()``): one read."""
+    def read(self, statement: Callable[[Driver, Connection], Any]) -> Any:
+        """A handler's read of its graph or batch (``current_job().upstreams()``, ``batch()``): one connection."""
         with self.engine.connect() as conn:
-            return self.driver.upstreams(conn, job_id)
+            return statement(self.driver, conn)
 
-    async def upstreams_async(self, job_id: int) -> list[Any]:
-        return await asyncio.to_thread(self.upstreams, job_id)
+    async def read_async(self, statement: Callable[[Driver, Connection], Any]) -> Any:
+        return await asyncio.to_thread(self.read, statement)
 
     def _dispatch(self, run: Run) -> None:
         """Hand the run to a handler thread (the async executor starts a task instead)."""

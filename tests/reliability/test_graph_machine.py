@@ -2,14 +2,18 @@
 
 Rules: add a few jobs with random upstreams (new jobs of the same flush, or any job seen so far, dead and
 purged ones included) and random failure policies, through the ORM; claim (the worker's claim); finish a
-running job (``Store.finish_and_claim``: PostgreSQL's hot statement and its transactional fallback); fail
+running job, or all of them at once (``Store.finish_and_claim``: PostgreSQL's hot statement and its
+transactional fallback); fail
 one for good (the outcome policy's ``settle``: a dead letter); cancel a waiting job (``queue.cancel``);
-requeue a dead job; purge the dead letters. A small model says what each step must do. After every step:
+requeue a dead job; purge the dead letters; make a batch of new members with random callbacks, or add members
+to a batch made earlier (refused once a callback has left ``blocked``). A small model says what each step must
+do. After every step:
 
 * every job's state, and a blocked job's count of upstreams it still waits for, match the model;
 * a claim returns exactly the jobs whose upstreams all finished (or were passed on as the policy says):
   no job ever starts before them, and none is ever claimed while it runs;
-* a bad graph raises ``InvalidJob`` at flush and writes nothing.
+* a bad graph raises ``InvalidJob`` at flush and writes nothing;
+* each batch callback is released once (an on_failure callback skipped, ``cancelled``, when no member failed).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from sqla_jobs import InvalidJob
+from sqla_jobs import Batch, InvalidJob
 from sqla_jobs.drivers.base import Claimed
 from sqla_jobs.worker.outcomes import settle
 from sqla_jobs.worker.runs import Outcome
@@ -38,7 +42,10 @@ pytestmark = pytest.mark.slow
 
 POLICIES = (None, "cancel", "run", "wait")
 #: How an upstream ended, as the dependents hear it, and what each policy then does.
-_ACTION = {("run", how): "run" for how in ("dead", "cancelled", "purged")} | {("wait", "dead"): "wait"}
+_ACTION = {(policy, how): "run" for policy in ("run", "errback") for how in ("dead", "cancelled", "purged")} | {
+    ("wait", "dead"): "wait"}
+#: A batch's callbacks and the policies they get (sqla_jobs._batch).
+CALLBACKS = {"on_complete": "run", "on_success": "wait", "on_failure": "errback"}
 
 
 @dataclass
@@ -48,6 +55,7 @@ class Node:
     ups: list[int]
     waiting: set[int] = field(default_factory=set)  # upstreams whose end it still waits for
     claims: int = 0
+    failed: bool = False  # an upstream's failure was passed on to it as done (an on_failure callback runs)
 
 
 def make_machine(db: Database) -> type[RuleBasedStateMachine]:
@@ -59,10 +67,11 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
         def __init__(self) -> None:
             super().__init__()
             with engine.begin() as conn:
-                for table in (edges, jobs, dead):
+                for table in (edges, jobs, dead, driver.batches):
                     conn.execute(delete(table))
             self.nodes: dict[int, Node] = {}
             self.running: dict[int, Claimed] = {}
+            self.batches: list[tuple[int, list[int]]] = []  # (batch id, its callbacks' ids)
             self.store = Store(engine, app.queue, driver, "machine", 60.0, None)
 
         def teardown(self) -> None:
@@ -77,8 +86,12 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
             self.nodes[up].state = "finished"
             for i in self.dependents(up):
                 self.nodes[i].waiting.discard(up)
-                if not self.nodes[i].waiting:
-                    self.nodes[i].state = "pending"
+                self.released(i)
+
+        def released(self, i: int) -> None:
+            node = self.nodes[i]
+            if not node.waiting:
+                node.state = "cancelled" if node.policy == "errback" and not node.failed else "pending"
 
         def failed(self, ups: list[int], how: str) -> None:
             level = ups
@@ -90,8 +103,8 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
                         action = _ACTION.get((node.policy, how), "cancel")
                         if action == "run":
                             node.waiting.discard(up)
-                            if not node.waiting:
-                                node.state = "pending"
+                            node.failed = True
+                            self.released(i)
                         elif action == "cancel":
                             node.state = "cancelled"
                             cancelled.append(i)
@@ -117,6 +130,7 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
                     if isinstance(up, int):
                         state = self.nodes[up].state
                         bad = bad or state in ("dead", "purged") or (state == "cancelled" and policy != "run")
+                        bad = bad or self.nodes[up].policy == "errback"  # an on_failure callback may be skipped
                     ups.append(up)
                 job = app.Job(kind="noop", payload={}, max_attempts=1, on_upstream_failure=policy, depends_on=ups)
                 new.append(job)
@@ -131,6 +145,36 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
                 ids = list(dict.fromkeys(u if isinstance(u, int) else u.id for u in ups))
                 waiting = {u for u in ids if self.nodes[u].state not in ("finished", "cancelled")}
                 self.nodes[job.id] = Node("blocked" if waiting else "pending", policy, ids, waiting)
+
+        @rule(size=st.integers(1, 4), names=st.sets(st.sampled_from(sorted(CALLBACKS)), min_size=1))
+        def add_batch(self, size: int, names: set[str]) -> None:
+            batch = Batch(**{name: app.Job(kind="noop", payload={}, max_attempts=1) for name in sorted(names)})
+            members = [app.Job(kind="noop", payload={}, max_attempts=1, batch=batch) for _ in range(size)]
+            with Session(engine, expire_on_commit=False) as session, session.begin():
+                session.add_all(members)
+            ids = [m.id for m in members]
+            for m in ids:
+                self.nodes[m] = Node("pending", None, [])
+            for name, callback in batch.callbacks.items():
+                self.nodes[callback.id] = Node("blocked", CALLBACKS[name], list(ids), set(ids))
+            self.batches.append((batch.id, [c.id for c in batch.callbacks.values()]))
+
+        @precondition(lambda self: self.batches)
+        @rule(pick=st.integers(0, 10_000), size=st.integers(1, 3))
+        def join_batch(self, pick: int, size: int) -> None:
+            batch_id, callbacks = self.batches[pick % len(self.batches)]
+            members = [app.Job(kind="noop", payload={}, max_attempts=1, batch=batch_id) for _ in range(size)]
+            if any(self.nodes[c].state != "blocked" for c in callbacks):
+                with pytest.raises(InvalidJob, match="has ended"), Session(engine) as session, session.begin():
+                    session.add_all(members)
+                return
+            with Session(engine, expire_on_commit=False) as session, session.begin():
+                session.add_all(members)
+            for m in members:
+                self.nodes[m.id] = Node("pending", None, [])
+                for c in callbacks:
+                    self.nodes[c].ups.append(m.id)
+                    self.nodes[c].waiting.add(m.id)
 
         @rule()
         def claim(self) -> None:
@@ -151,6 +195,18 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
             self.store.finish_and_claim([outcome], 0, "t", alone=False)
             assert outcome.written
             self.finished(job.id)
+
+        @precondition(lambda self: self.running)
+        @rule()
+        def finish_all(self) -> None:
+            """A worker's batch: every running job finishes in one ``finish_and_claim`` (a batch of members
+            whose last ones end together, the case that releases or skips its callbacks)."""
+            outcomes = [Outcome(job, "ok", 0.0) for job in self.running.values()]
+            self.store.finish_and_claim(outcomes, 0, "t", alone=False)
+            assert all(o.written for o in outcomes)
+            for job_id in sorted(self.running):
+                self.finished(job_id)
+            self.running.clear()
 
         @precondition(lambda self: self.running)
         @rule(pick=st.integers(0, 10_000))

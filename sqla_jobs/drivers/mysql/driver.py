@@ -351,9 +351,10 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
         ids = list(conn.execute(self.skip_locked(old)).scalars())
         if not ids:
             return 0
-        self.forget_edges(conn, ids)
+        gone = conn.execute(delete(t).where(t.c.id.in_(ids))).rowcount
+        self.forget_edges(conn, ids)  # after: a batch row goes once its callbacks have left the table
         self.forget_steps(conn, ids)
-        return conn.execute(delete(t).where(t.c.id.in_(ids))).rowcount
+        return gone
 
     def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:
         """MariaDB's PERCENTILE_CONT is a window function only, MySQL has none: computed in Python."""

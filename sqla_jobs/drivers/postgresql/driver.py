@@ -41,6 +41,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ...errors import ConfigError
 from .._durable import emit_statement, upsert_statement
+from .._graph import SKIPPED
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
 from . import capped, handoff, keepalive, partitions
@@ -270,7 +271,8 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
         # back into SQLAlchemy's, which is what the worker's retry loop expects.
         sql = self._pg_hot[bool(queues), bool(skip_kinds), partitions.is_partitioned(conn, self.jobs),
                            self.discard_finished, named]
-        after = (self._handoff, {"flagged": params["flagged"], "channel": self._channel}) if named else None
+        after = (self._handoff, {"flagged": params["flagged"], "channel": self._channel,
+                                 "skipped": SKIPPED}) if named else None
         if not conn.in_transaction():
             # SQLAlchemy does not see what the driver cursor runs: without this its commit
             # (e.g. Driver.write's) would be a no-op and the pool would roll the claim back.
@@ -335,6 +337,16 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
         """COPY, the fastest way in."""
         for columns, batch in self._insert_batches(rows):
             copy_rows(conn, self.jobs, columns, ([r[c] for c in columns] for r in batch))
+
+    def insert_members(self, conn: Connection, rows: list[dict[str, Any]]) -> list[int]:
+        """COPY too, with ids drawn from the table's sequence first (COPY returns none)."""
+        ids = sorted(conn.scalars(text("SELECT nextval(pg_get_serial_sequence(:t, 'id')) FROM generate_series(1, :n)"),
+                                  {"t": pg_name(self.jobs), "n": len(rows)}))
+        for columns, batch in self._insert_batches([{**r, "id": i} for r, i in zip(rows, ids, strict=True)]):
+            columns = ["id", "has_dependents", *columns]
+            copy_rows(conn, self.jobs, columns, ([True if c == "has_dependents" else r[c] for c in columns]
+                                                 for r in batch))
+        return ids
 
     def add_edges(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
         """COPY too: a fan-in's 10,000 edges took a third of its flush as INSERTs."""

@@ -13,12 +13,16 @@ its claim is left running by the hot statement and finished by ``Driver.finish``
 ``xmin = pg_current_xact_id()`` picks the upstreams this very transaction finished:
 a retry of a batch whose commit went through with its reply lost finishes nothing
 again, so it counts nothing down twice.
+
+A batch's on_failure callback released with no failed upstream is cancelled here
+instead (``drivers/_batches.py``), as ``Graph._release`` does.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import Table
 
+from .._batches import ERRBACK
 from .notify import pg_name
 
 __all__ = ["DECLINE", "TAKE_FLAGGED", "handoff_sql"]
@@ -40,8 +44,11 @@ WITH ups AS (
 ), counted AS (
     UPDATE {table} AS d
     SET waiting_for = d.waiting_for - gone.n,
-        state = CASE WHEN d.waiting_for - gone.n <= 0 THEN 'pending' ELSE 'blocked' END,
-        run_at = CASE WHEN d.waiting_for - gone.n <= 0 AND d.run_at < now() THEN now() ELSE d.run_at END
+        state = CASE WHEN d.waiting_for - gone.n > 0 THEN 'blocked' WHEN {skip} THEN 'cancelled' ELSE 'pending' END,
+        run_at = CASE WHEN d.waiting_for - gone.n <= 0 AND d.run_at < now() THEN now() ELSE d.run_at END,
+        finished_at = CASE WHEN d.waiting_for - gone.n <= 0 AND {skip} THEN now() ELSE d.finished_at END,
+        cancelled_at = CASE WHEN d.waiting_for - gone.n <= 0 AND {skip} THEN now() ELSE d.cancelled_at END,
+        last_error = CASE WHEN d.waiting_for - gone.n <= 0 AND {skip} THEN %(skipped)s ELSE d.last_error END
     FROM gone WHERE d.id = gone.id AND d.state = 'blocked'
     RETURNING d.state
 )
@@ -53,4 +60,6 @@ def handoff_sql(jobs: Table, edges: Table) -> str:
     """The count-down of the upstreams named in ``%(flagged)s`` that this transaction finished (and the
     wake-up of listening workers when one became pending). PostgreSQL evaluates every SET with the row's old
     values, so one statement does what ``Graph.unblock`` does in two."""
-    return _HANDOFF.format(table=pg_name(jobs), edges=pg_name(edges))
+    skip = (f"d.on_upstream_failure = '{ERRBACK}' AND NOT EXISTS "
+            f"(SELECT FROM {pg_name(edges)} AS x WHERE x.downstream_id = d.id AND x.ended IS NOT NULL)")
+    return _HANDOFF.format(table=pg_name(jobs), edges=pg_name(edges), skip=skip)
