@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from . import _periodic
 from ._batch import Batch, add_members
+from ._durable_admin import DurableAdmin
 from ._fields import check_row
 from ._models import STATES, JobMixin
 from ._stats import QueueStats, collect
@@ -44,7 +45,7 @@ _PRUNE_CONFLICT_RETRIES = 20
 _UNIQUE_RACE_RETRIES = 10
 
 
-class Admin(Generic[J]):
+class Admin(DurableAdmin, Generic[J]):
     """Admin operations on one jobs table and its dead-letter table (a mixin of ``JobQueue``)."""
 
     job_model: type[J]
@@ -326,14 +327,12 @@ class Admin(Generic[J]):
     def prune(
         self, engine: Engine, *, older_than: float, batch_size: int = 1000, max_batches: int | None = None
     ) -> int:
-        """Delete finished and cancelled jobs whose ``finished_at`` is older than ``older_than`` seconds.
+        """Delete finished and cancelled jobs whose ``finished_at`` is older than ``older_than`` seconds (their
+        durable steps with them), and durable jobs' events emitted longer ago than that.
 
-        Deletes ``batch_size`` rows per transaction, committing each, so it
-        never holds many row locks or a long transaction on a busy table; stops
-        after ``max_batches`` when given. Returns how many rows were deleted.
-        On PostgreSQL, when another process is pruning the same table it
-        returns at once (each batch takes a try-advisory lock).
-        """
+        Deletes ``batch_size`` rows per transaction, committing each (no long transaction on a busy table);
+        stops after ``max_batches`` when given; returns how many rows were deleted. On PostgreSQL, when another
+        process is pruning the same table it returns at once (a try-advisory lock)."""
         _not_async(engine, "prune")
         if older_than < 0 or batch_size < 1:
             raise ConfigError("prune needs older_than >= 0 seconds and batch_size >= 1")
@@ -356,6 +355,8 @@ class Admin(Generic[J]):
             batches += 1
             if count < batch_size:
                 break
+        with driver.write(engine) as conn:  # durable jobs' events as old (sqla_jobs._durable)
+            driver.prune_events(conn, datetime.now(timezone.utc) - timedelta(seconds=older_than))
         return deleted
 
     def _not_found(self, conn: Connection, job_id: int) -> str:

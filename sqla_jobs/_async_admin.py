@@ -145,6 +145,14 @@ class AsyncAdmin(Generic[J]):
         """``queue.cancel``: ``"cancelled"`` (it was pending) or ``"requested"`` (it is running)."""
         return await _run(session, "cancel", partial(self._admin.cancel, job_id=job_id))
 
+    async def emit_event(self, session: AsyncSession, key: str, data: Any = None) -> int | None:
+        """``queue.emit_event``: emit event ``key`` in the caller's transaction (None: it was emitted before)."""
+        return await _run(session, "emit_event", partial(self._admin.emit_event, key=key, data=data))
+
+    async def job_steps(self, session: AsyncSession, job_id: int) -> list[Any]:
+        """``queue.job_steps``: a job's steps, sleeps and waits as stored."""
+        return await _run(session, "job_steps", partial(self._admin.job_steps, job_id=job_id))
+
     async def retry_now(self, session: AsyncSession, job_id: int) -> None:
         """``queue.retry_now``: make a pending job due now."""
         await _run(session, "retry_now", partial(self._admin.retry_now, job_id=job_id))

@@ -26,18 +26,25 @@ handler then stops (docs/howto/cancelling.md).
 ``current_job().set_progress(value)`` records how far a long run got (any
 small JSON value); the worker writes the latest value about once a second,
 and ``sqla-jobs jobs show`` prints it.
+
+``current_job().step(name, fn, *args)``, ``sleep(duration)``, ``sleep_until(when)`` and
+``wait_for_event(key, timeout)`` make a durable job: its steps' values are kept, and a sleep or
+a wait parks the job without holding a thread (``sqla_jobs._durable``, docs/howto/durable.md).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy.orm import Session
 
+from . import _durable
 from ._batch import BatchStatus, status_of
 from ._payload import MAX_PROGRESS_BYTES, encode_value
 from .errors import JobCancel
@@ -66,6 +73,10 @@ class JobContext:
     progress: Any = None
     # What reads the job's graph and batch: the worker's executor (``read(statement)``, ``read_async``).
     _graph: Any = field(default=None, repr=False)
+    # What keeps the job's steps (``sqla_jobs._durable.DurableStore``: ``sqla_jobs.worker.steps``), and this run's
+    # view of them, read at its first step.
+    _durable: Any = field(default=None, repr=False)
+    _book: Any = field(default=None, repr=False)
 
     @property
     def cancelled(self) -> threading.Event:
@@ -138,6 +149,41 @@ class JobContext:
         if self._graph is None:
             raise LookupError("upstream_results() and batch() need a job run by a sqla-jobs worker")
         return self._graph
+
+    # -- durable jobs (sqla_jobs._durable) -------------------------------------------------------
+
+    def step(self, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` once per job: its value (checked like a result) is stored under ``name``, and a
+        re-run of the job returns the stored copy without calling ``fn``. In a transactional handler the value
+        commits with the handler's writes."""
+        return _durable.step(self, name, fn, args, kwargs)
+
+    async def step_async(self, name: str, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """``step`` for an ``async def`` handler: ``fn`` may be a coroutine function."""
+        return await _durable.step_async(self, name, fn, args, kwargs)
+
+    def sleep(self, duration: timedelta | float, *, name: str | None = None) -> None:
+        """Park the job for ``duration`` (a timedelta or seconds): this run ends here, holding no thread or
+        connection, and the job runs again from the top at the due time, passing this sleep."""
+        _durable.sleep(self, duration, name)
+
+    async def sleep_async(self, duration: timedelta | float, *, name: str | None = None) -> None:
+        await _durable.sleep_async(self, duration, name)
+
+    def sleep_until(self, when: datetime, *, name: str | None = None) -> None:
+        """``sleep`` until ``when`` (a time-zone aware datetime; a naive one is taken as UTC)."""
+        _durable.sleep_until(self, when, name)
+
+    async def sleep_until_async(self, when: datetime, *, name: str | None = None) -> None:
+        await _durable.sleep_until_async(self, when, name)
+
+    def wait_for_event(self, key: str, timeout: timedelta | float, *, name: str | None = None) -> Any:
+        """The data of event ``key`` (``queue.emit_event``), at once if it was emitted already; else the job
+        parks until it is emitted, or ``timeout`` passes and this returns None."""
+        return _durable.wait_for_event(self, key, timeout, name)
+
+    async def wait_for_event_async(self, key: str, timeout: timedelta | float, *, name: str | None = None) -> Any:
+        return await _durable.wait_for_event_async(self, key, timeout, name)
 
     @property
     def last_attempt(self) -> bool:

@@ -71,11 +71,10 @@ from .drivers import (
     DatabaseNow,
     GeneratedColumn,
     attach_table_events,
-    batch_table,
     column_type,
-    edge_table,
     index_dialects_for,
     partial_where,
+    side_tables,
     table_options,
 )
 from .errors import InvalidJob
@@ -396,5 +395,4 @@ def _add_notify_trigger(mapper: Mapper[Any], cls: type[JobMixin]) -> None:
     by polling, only later.
     """
     attach_table_events(cls.__table__)  # type: ignore[attr-defined]
-    edge_table(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_deps, in the same metadata (sqla_jobs._graph)
-    batch_table(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_batches (sqla_jobs._batch)
+    side_tables(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_deps, _batches, _steps, _events: same metadata

@@ -12,12 +12,15 @@ The tree::
 
     JobSnooze                     raised by a handler: run me again later, no attempt used
     JobCancel                     raised by a handler: stop, do not retry, mark cancelled
+    JobParked (BaseException)     raised for you by current_job().sleep / wait_for_event: park the job
 
 Like procrastinate, each class's docstring is its default message, so
 ``raise SchemaError()`` already says something useful.
 """
 
 from __future__ import annotations
+
+from datetime import datetime
 
 
 class SqlaJobsError(Exception):
@@ -63,6 +66,17 @@ class JobCancel(Exception):
     def __init__(self, reason: str = "cancelled by handler") -> None:
         super().__init__(reason)
         self.reason = reason
+
+
+class JobParked(BaseException):
+    """Raised by ``current_job().sleep`` / ``sleep_until`` / ``wait_for_event``: this run ends and the job is
+    parked until ``until`` (or until event ``key`` is emitted), then runs again from the top, its finished
+    steps skipped (sqla_jobs._durable). Not an attempt and not a failure. A ``BaseException``, like
+    ``GeneratorExit``, so that ``except Exception`` in a handler lets it through: do not catch it."""
+
+    def __init__(self, name: str, until: datetime, started: datetime, key: str | None = None) -> None:
+        super().__init__(f"parked at {name!r} until {until.isoformat()}" + (f" or event {key!r}" if key else ""))
+        self.name, self.until, self.started, self.key = name, until, started, key
 
 
 class JobStateError(SqlaJobsError):

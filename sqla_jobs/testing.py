@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Connection, Engine, event
@@ -127,16 +128,23 @@ def run_due(engine: Engine, queue: JobQueue[Any, Any], *, concurrency: int = 1, 
 def make_due(bind: Engine | Connection | Session, queue: JobQueue[Any, Any], *, kind: str | None = None) -> int:
     """Make every pending job scheduled for later (delayed jobs, retries in backoff) due now; returns how many.
 
-    Uses the database's clock, as the worker does. With a Session or Connection the change is part of
-    its transaction (commit it); with an Engine it commits at once.
+    A durable job parked in a sleep or a wait (docs/howto/durable.md) has it end now: its next run passes
+    the sleep, and the wait returns None as if it had timed out. Uses the database's clock, as the worker
+    does. With a Session or Connection the change is part of its transaction (commit it); with an Engine
+    it commits at once.
     """
     if isinstance(bind, Session):
-        conn = bind.connection()
-        return queue.driver(conn).make_due(conn, kind)
+        return _make_due(queue, bind.connection(), kind)
     if isinstance(bind, Connection):
-        return queue.driver(bind).make_due(bind, kind)
+        return _make_due(queue, bind, kind)
     with bind.begin() as conn:
-        return queue.driver(conn).make_due(conn, kind)
+        return _make_due(queue, conn, kind)
+
+
+def _make_due(queue: JobQueue[Any, Any], conn: Connection, kind: str | None) -> int:
+    driver = queue.driver(conn)
+    driver.end_parks(conn, kind, datetime.now(timezone.utc))  # first: it finds the parked jobs by their run_at
+    return driver.make_due(conn, kind)
 
 
 def _matches(payload: Any, expected: Mapping[str, Any] | Callable[[Any], bool] | None) -> bool:

@@ -380,12 +380,13 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     [revision] = project.revisions()
     source = revision.read_text()
     # Exactly the difference: fifteen columns, the dependencies' table and its index, the batches' table and
-    # its three indexes, five new indexes, the
+    # its three indexes, the durable jobs' steps table with its index and events table (sqla_jobs._durable),
+    # five new indexes, the
     # claim index rebuilt in its new column order, and on PostgreSQL the NOTIFY trigger; nothing else.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
     # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
-    expected = sorted(["add_column"] * 15 + ["create_table"] * 2 + ["create_index"] * 10 + ["drop_index"] + ["get_bind"]
+    expected = sorted(["add_column"] * 15 + ["create_table"] * 4 + ["create_index"] * 11 + ["drop_index"] + ["get_bind"]
                       + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
@@ -397,6 +398,7 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     ]
     assert "op.create_table('app_tasks_deps'" in upgrade  # job graphs (sqla_jobs._graph)
     assert "op.create_table('app_tasks_batches'" in upgrade  # batches (sqla_jobs._batch)
+    assert "op.create_table('app_tasks_steps'" in upgrade and "op.create_table('app_tasks_events'" in upgrade
     # NOT NULL with a server default, so the rows already there get false and the upgrade needs no data step.
     isolate = r"sa\.Column\('isolate', sa\.Boolean\(\), server_default=sa\.text\('\(?false\)?'\), nullable=False\)"
     assert re.search(isolate, upgrade), upgrade

@@ -25,6 +25,7 @@ from sqlalchemy.dialects import postgresql
 
 from ..drivers import driver_class_of, edge_table, migration_guard, migration_imports, normalise_url, registered
 from ..drivers._batches import batch_table
+from ..drivers._durable import event_table, step_table
 from ..drivers.base import Driver, index_dialects
 from ..errors import ConfigError
 from .compare import (
@@ -113,11 +114,10 @@ class Rendered:
 
 
 def _job_metadata(queue: JobQueue[Any, Any], partitioned: bool = False) -> MetaData:
-    """A MetaData holding copies of just the app's tables: jobs, dead letters, ``<jobs>_deps`` (sqla_jobs._graph)
-    and ``<jobs>_batches`` (sqla_jobs._batch); the jobs table left out when ``partitioned`` (its own code makes it)."""
+    """Copies of the app's tables: jobs (not when ``partitioned``: its own code makes it), dead letters, companions."""
     metadata = MetaData()
-    edge_table(queue.job_model.__table__).to_metadata(metadata)  # type: ignore[attr-defined]
-    batch_table(queue.job_model.__table__).to_metadata(metadata)  # type: ignore[attr-defined]
+    for companion in (edge_table, batch_table, step_table, event_table):
+        companion(queue.job_model.__table__).to_metadata(metadata)  # type: ignore[attr-defined]
     for model in (queue.dead_model,) if partitioned else (queue.job_model, queue.dead_model):
         original = model.__table__  # type: ignore[attr-defined]
         copy = original.to_metadata(metadata)

@@ -6,7 +6,8 @@ figure, and ``PlainJob`` the jobs table mapped bare, the floor of ``add_all``
 (``sqla_jobs.bench.enqueue``). ``next`` and ``async_next`` add the next link of a chain in the
 transaction that finishes the current one: the chain without ``depends_on`` that ``bench --graphs``
 measures beside one with it (``sqla_jobs.bench.graphs``). Worker processes load the app as
-``sqla_jobs.bench.run:queue`` (re-exported there) or ``sqla_jobs.bench.app:queue``.
+``sqla_jobs.bench.run:queue`` (re-exported there) or ``sqla_jobs.bench.app:queue``. ``steps10`` and
+``await`` are the durable jobs of ``bench --durable`` (``sqla_jobs.bench.durable``).
 """
 
 from __future__ import annotations
@@ -98,3 +99,25 @@ async def async_enqueue_next(payload: dict[str, Any]) -> None:
         session = current_job().session
         assert session is not None
         session.add(BenchJob(kind="async_next", payload={"left": payload["left"] - 1}))
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+@queue.handler("steps10")
+def steps10(payload: dict[str, Any]) -> list[float]:
+    """Ten no-op steps (``bench --durable``): what each ``step`` call took, in ms, is the job's result."""
+    job = current_job()
+    took = []
+    for i in range(10):
+        start = time.perf_counter()
+        job.step(f"s{i}", _same, i)
+        took.append((time.perf_counter() - start) * 1000)
+    return took
+
+
+@queue.handler("await")
+def await_event(payload: dict[str, Any]) -> Any:
+    """Parks until its own event (``bench --durable``)."""
+    return current_job().wait_for_event(payload["key"], timeout=3600)

@@ -26,6 +26,7 @@ from .._durations import format_duration, parse_duration
 from .._neighbourhood import Neighbour, Neighbourhood, neighbourhood, policy_text
 from .._stats import stats_tables
 from ..errors import ConfigError, ConnectionProblem, NotFound, SchemaError
+from .durable import print_steps, steps_json
 from .terminal import print_table
 
 __all__ = [
@@ -206,12 +207,14 @@ def _neighbours(queue: JobQueue[Any, Any], session: Session, job_id: int, as_jso
     return neighbourhood(queue.driver(conn), conn, job_id, limit=None if as_json else SHOWN_NEIGHBOURS)
 
 
-def _show(row: Any, state: str, as_json: bool, hood: Neighbourhood, batch: Any = None) -> None:
+def _show(row: Any, state: str, as_json: bool, hood: Neighbourhood, steps: list[Any],
+          batch: Any = None) -> None:
     data = _row_dict(row)
     data.setdefault("state", state)
     if as_json:
         _print_json({**data, "upstreams": [n.to_dict() for n in hood.upstreams],
-                     "dependents": [n.to_dict() for n in hood.dependents], "batch": batch and batch.id})
+                     "dependents": [n.to_dict() for n in hood.dependents], "batch": batch and batch.id,
+                     "steps": steps_json(steps)})
         return
     errors = data.pop("errors", None) or []
     payload = data.pop("payload", None)
@@ -229,6 +232,7 @@ def _show(row: Any, state: str, as_json: bool, hood: Neighbourhood, batch: Any =
     for entry in errors:  # an entry without an attempt is an event between attempts: a requeue
         what = "" if entry.get("attempt") is None else f"attempt {entry.get('attempt')} "
         print(f"  {what}at {entry.get('at')}: {entry.get('error')}")
+    print_steps(steps)
     if batch is not None:  # a member's or a callback's (sqla_jobs._batch)
         label = f" ({batch.label})" if batch.label else ""
         print(f"batch {batch.id}{label}: `sqla-jobs batches show {batch.id}` for its counts")
@@ -272,9 +276,10 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
             if row is None:
                 raise NotFound(f"no job with id {args.id}")
         hood = _neighbours(queue, session, args.id, args.json)
+        steps = queue.job_steps(session, args.id)
         conn = session.connection()
         batch = queue.driver(conn).batch_of(conn, args.id) if hood else None
-    _show(row, getattr(row, "state", "dead"), args.json, hood, batch)
+    _show(row, getattr(row, "state", "dead"), args.json, hood, steps, batch)
     return 0
 
 
@@ -311,7 +316,8 @@ def cmd_dead_show(args: argparse.Namespace) -> int:
             hint = f": it is in the jobs table ({alive.state}); see `sqla-jobs jobs show {args.id}`" if alive else ""
             raise NotFound(f"no dead job with id {args.id}{hint}")
         hood = _neighbours(queue, session, args.id, args.json)
-    _show(row, "dead", args.json, hood)
+        steps = queue.job_steps(session, args.id)
+    _show(row, "dead", args.json, hood, steps)
     return 0
 
 

@@ -49,6 +49,7 @@ from .admin import (
 )
 from .batches import add_batch_commands
 from .dashboard import add_dashboard_parser
+from .durable import add_events_parser
 from .migrations import add_migrations_parser
 from .options import Parser, common_options, iter_commands, job_id_argument, json_flag, not_negative, positive
 from .relay import add_relay_parser
@@ -105,6 +106,10 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.durable:
+        from ..bench.durable import run_durable
+
+        return run_durable(args)
     if args.graphs is not None:
         from ..bench.graphs import run_graphs
 
@@ -266,6 +271,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default 100000)")
     p.add_argument("--chain-length", type=positive(int), default=10_000, metavar="M",
                    help="with --graphs: the jobs of the chain (default 10000)")
+    p.add_argument("--durable", action="store_true",
+                   help="instead: durable jobs: a step's overhead, emit -> resume latency, --waiters parked jobs "
+                        "(what they hold, and all woken by one transaction)")
+    p.add_argument("--waiters", type=positive(int), default=10_000, metavar="N",
+                   help="with --durable: the jobs parked each waiting for its own event (default 10000)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
     common_options(p)
@@ -317,6 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_migrations_parser(sub, common_options)
     add_dashboard_parser(sub, common_options)
     add_relay_parser(sub, common_options)
+    add_events_parser(sub, common_options)
 
     p = sub.add_parser("demo", help="run a self-contained demo on a SQLite file (no server needed)")
     p.add_argument("--db", default="sqla-jobs-demo.db", help="SQLite file to create (default sqla-jobs-demo.db)")

@@ -60,6 +60,7 @@ from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
 from ._batches import CALLBACK_POLICIES, ERRBACK, batch_table
+from ._durable import event_table, step_table
 from ._graph import FAILURE_POLICIES, edge_table
 from ._setup import GeneratedColumn
 from .base import DatabaseNow, Driver
@@ -82,6 +83,7 @@ __all__ = [
     "driver_class_of",
     "driver_for",
     "edge_table",
+    "event_table",
     "index_dialects_for",
     "migration_guard",
     "migration_imports",
@@ -89,6 +91,8 @@ __all__ = [
     "partial_where",
     "register",
     "registered",
+    "side_tables",
+    "step_table",
     "stored_generated_dialects",
     "sync_engine_for",
     "table_options",
@@ -146,6 +150,12 @@ def normalise_url(url: URL) -> URL:
         if backend in driver.url_aliases:
             return driver.normalise_url(url)
     return driver_class(backend).normalise_url(url)
+
+
+def side_tables(jobs: Table) -> tuple[Table, ...]:
+    """The tables beside a jobs table, made in its metadata (the same Tables after): ``<jobs>_deps`` (job
+    graphs), ``<jobs>_batches``, ``<jobs>_steps`` and ``<jobs>_events`` (durable jobs)."""
+    return edge_table(jobs), batch_table(jobs), step_table(jobs), event_table(jobs)
 
 
 def attach_table_events(table: Table) -> None:

@@ -18,8 +18,7 @@ from ..errors import SchemaError
 from ._batches import batch_table
 
 
-def utcnow() -> str:
-    # Only for the human-readable history in `errors`; never used for leases.
+def utcnow() -> str:  # only for the human-readable history in `errors`; never used for leases
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
@@ -36,7 +35,6 @@ def requeued_errors(errors: list[dict[str, Any]] | None) -> list[dict[str, Any]]
 
 #: ``last_error`` and each entry of ``errors`` keep at most this many characters.
 MAX_ERROR_LENGTH = 4000
-
 
 MIGRATE = (
     "this sqla-jobs version needs a schema migration; with alembic, run "
@@ -61,6 +59,9 @@ class Operations:
         def pass_on_failure(self, conn: Connection, upstreams: Sequence[int], ended: str) -> None: ...
         def mark_upstreams(self, conn: Connection, ids: Sequence[int]) -> None: ...
         def forget_edges(self, conn: Connection, pruned: Sequence[int]) -> None: ...
+        def forget_steps(self, conn: Connection, job_ids: Sequence[int]) -> None: ...  # Durable's, as are:
+        steps: Table
+        events: Table
 
     def now(self) -> ColumnElement[datetime]:
         raise NotImplementedError
@@ -83,14 +84,12 @@ class Operations:
     def check_schema(self, conn: Connection) -> None:
         """Raise SchemaError naming what is missing, before a worker touches the tables."""
         inspector = inspect(conn)
-        for table in (self.jobs, self.dead, self.edges, batch_table(self.jobs)):
+        for table in (self.jobs, self.dead, self.edges, batch_table(self.jobs), self.steps, self.events):
             if not inspector.has_table(table.name, schema=table.schema):
                 raise SchemaError(
-                    f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: "
-                    "create it with `sqla-jobs create-tables --app ...`, "
-                    "`Base.metadata.create_all(engine)`, or your alembic migrations "
-                    "(`sqla-jobs migrations render --app ...`, then `alembic upgrade head`)"
-                )
+                    f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: create it "
+                    "with `sqla-jobs create-tables --app ...`, `Base.metadata.create_all(engine)`, or your alembic "
+                    "migrations (`sqla-jobs migrations render --app ...`, then `alembic upgrade head`)")
             have = {c["name"] for c in inspector.get_columns(table.name, schema=table.schema)}
             missing = sorted(set(table.c.keys()) - have)
             if missing:
@@ -360,6 +359,7 @@ class Operations:
         gone = list(conn.scalars(delete(t).where(t.c.id.in_(self.skip_locked(old).scalar_subquery()))
                                  .returning(t.c.id)))
         self.forget_edges(conn, gone)
+        self.forget_steps(conn, gone)
         return len(gone)
 
     # -- vacuum (sqla_jobs.worker.vacuum) ------------------------------------------------------

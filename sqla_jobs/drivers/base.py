@@ -40,6 +40,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ._batches import Batches
 from ._claimed import DEAD_COLUMNS, AsyncListener, Claimed, Fence, Listener
+from ._durable import Durable
 from ._endings import Endings
 from ._graph import Graph
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate
@@ -67,7 +68,7 @@ __all__ = [
     "truncate",
 ]
 
-class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph, Batches):
+class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durable):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
@@ -186,7 +187,7 @@ class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph, Batches):
         Tables made by an older sqla-jobs get the indexes added since; their
         columns are left alone (that takes a migration).
         """
-        for table in (self.jobs, self.dead, self.edges, self.batches):
+        for table in (self.jobs, self.dead, self.edges, self.batches, self.steps, self.events):
             table.create(conn, checkfirst=True)
             for index in self.creatable_indexes(conn, table):
                 conn.execute(CreateIndex(index, if_not_exists=True))

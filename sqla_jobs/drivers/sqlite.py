@@ -47,6 +47,7 @@ from sqlalchemy.types import TypeEngine
 from sqlalchemy.util import await_only
 from sqlalchemy.util.concurrency import in_greenlet
 
+from ._durable import emit_statement, upsert_statement
 from ._unique import on_conflict_insert
 from .base import Claimed, Driver, IndexDefinition, run_times_in_python
 
@@ -292,6 +293,13 @@ class SQLiteDriver(Driver):
     def insert_unique(self, conn: Connection, row: dict[str, Any]) -> int | None:
         # Writers take turns on SQLite, so the conflict is always with a committed holder.
         return on_conflict_insert(self, conn, row, sqlite.insert)
+
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
+        conn.execute(upsert_statement(sqlite.insert(table).values(**row), table, update))
+
+    def emit_row(self, conn: Connection, key: str, data: Any) -> bool:
+        row = {"key": key, "data": data, "emitted_at": self.now(), "created_at": self.now()}
+        return conn.execute(emit_statement(sqlite.insert(self.events).values(**row), self.events)).first() is not None
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("json_insert(COALESCE(errors, '[]'), '$[#]', json(:entry))").bindparams(entry=json.dumps(entry))

@@ -189,6 +189,7 @@ def job(request: Request) -> Response:
         timings = None if dead else sql_dashboard.job_timings(site.queue.driver(conn), conn, job_id)
         hood = None if row is None else neighbourhood(site.queue.driver(conn), conn, job_id, limit=NEIGHBOURS)
         batch = site.queue.driver(conn).batch_of(conn, job_id) if hood else None  # a member's or a callback's
+        steps = site.queue.job_steps(session, job_id)  # a durable job's (sqla_jobs._durable)
     if row is None or hood is None:
         return site.render(request, "message.html", 404, heading="No such job",
                            message=f"There is no job {job_id} in the jobs table or the dead-letter table "
@@ -203,7 +204,8 @@ def job(request: Request) -> Response:
         hood=hood, graph=graph, policy=policy_text(data.get("on_upstream_failure")), batch=batch,
         waiting=[n.id for n in hood.dependents if n.state == "blocked" and n.ended is None] if dead else [],
         payload=json.dumps(data.get("payload"), indent=2, ensure_ascii=False, default=str),
-        errors=data.get("errors") or [],
+        errors=data.get("errors") or [], steps=steps,
+        step_values={r.name: json.dumps(r.value, ensure_ascii=False, default=str) for r in steps},
         # What the handler returned and how far it got (docs/howto/results.md); a dead job has neither.
         documents={name: json.dumps(data[name], indent=2, ensure_ascii=False, default=str)
                    for name in ("progress", "result") if data.get(name) is not None},

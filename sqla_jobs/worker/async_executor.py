@@ -45,9 +45,11 @@ from sqlalchemy.orm import Session
 from .._app import JobEvent, JobQueue
 from .._context import _current
 from ..drivers.base import Driver, Fence
+from ..errors import JobParked
 from .async_wake import AsyncWake
 from .executor import Executor, Outcome, Run, _ClaimLost, outcome_of
 from .outage import DatabaseKey, watch
+from .steps import AsyncStepStore
 
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
@@ -68,6 +70,7 @@ class AsyncExecutor(Executor):
                          wake, count_queues=count_queues)  # type: ignore[arg-type]  # Event's three methods
         self.async_engine = engine
         self._loop = loop
+        self.steps = AsyncStepStore(engine, driver, self._result_limit, loop)
         # Plain handlers' threads, started on demand up to ``concurrency``; the calls they take.
         self._calls: stdlib_queue.SimpleQueue[Any] = stdlib_queue.SimpleQueue()
         self._idle = 0  # threads waiting for a call, or started for one and not yet waiting
@@ -82,9 +85,6 @@ class AsyncExecutor(Executor):
         async with self.async_engine.connect() as conn:
             return await conn.run_sync(lambda sync: statement(self.driver, sync))
 
-    async def trace_contexts_async(self, ids: list[int]) -> dict[int, dict[str, str]]:
-        async with self.async_engine.connect() as conn:
-            return await conn.run_sync(lambda sync: self.driver.trace_contexts(sync, ids))
 
     def start(self) -> None:
         """Nothing to start: a task is made per run."""
@@ -198,7 +198,15 @@ class AsyncExecutor(Executor):
             await session.run_sync(lambda s: self.driver.begin_write(s.connection()))
             run.ctx.session = session  # type: ignore[assignment]  # documented: an AsyncSession here
             try:
-                value = await asyncio.wait_for(handler.fn(run.job.payload), handler.timeout)
+                try:
+                    value = await asyncio.wait_for(handler.fn(run.job.payload), handler.timeout)
+                except JobParked:  # its writes and steps commit, fenced, without finishing the job
+                    await session.flush()
+                    if not await session.run_sync(lambda s: self.driver.hold(s.connection(), fence)):
+                        raise _ClaimLost() from None
+                    self._before_commit(run, parking=True)
+                    await session.commit()
+                    raise
                 await session.flush()
                 result = None if value is None else self._checked_result(value)
                 progress = run.ctx.progress if self.progress.pop(fence, None) is not None else None

@@ -42,9 +42,10 @@ from .._app import JobEvent, JobQueue
 from .._context import JobContext, _current
 from .._payload import encode_value
 from ..drivers.base import Claimed, Driver, Fence
-from ..errors import ConfigError, InvalidJob, JobCancel, JobSnooze
+from ..errors import ConfigError, InvalidJob, JobCancel, JobParked, JobSnooze
 from .outage import DatabaseKey, watch
 from .runs import InvalidResult, Outcome, Run, _CancelBeforeCommit, _ClaimLost, outcome_of
+from .steps import StepStore
 
 __all__ = ["Executor", "Outcome", "Run"]
 
@@ -78,6 +79,7 @@ class Executor:
         #: Runs whose handler set a progress value not yet written (JobContext.set_progress fills it).
         self.progress: dict[Fence, JobContext] = {}
         self._result_limit = queue.job_model.max_result_bytes
+        self.steps = StepStore(engine, driver, self._result_limit)  # a durable job's steps (sqla_jobs._durable)
         self._progress_limit = queue.job_model.max_progress_bytes
         self._fate = threading.Lock()  # orders abandon against a transactional run starting to commit
         self._abandoned = 0  # how many of running were given up on
@@ -103,7 +105,7 @@ class Executor:
         fence = job.fence
         # Positional: this runs per job, and keyword arguments cost more (fields as in JobContext).
         ctx = JobContext(job.id, job.kind, job.queue, job.attempt, job.max_attempts, job.payload, self.worker_name,
-                         None, None, False, self.progress, fence, self._progress_limit, None, self)
+                         None, None, False, self.progress, fence, self._progress_limit, None, self, self.steps)
         run = Run(job, handler, ctx, now, now + timeout if timeout else None)
         self.running[fence] = run
         if self._count_queues:
@@ -121,13 +123,12 @@ class Executor:
     async def read_async(self, statement: Callable[[Driver, Connection], Any]) -> Any:
         return await asyncio.to_thread(self.read, statement)
 
-    def trace_contexts(self, ids: list[int]) -> dict[int, dict[str, str]]:
-        """The trace contexts stored with these jobs (read only when tracing is on: ``sqla_jobs.otel``)."""
-        with self.engine.connect() as conn:
-            return self.driver.trace_contexts(conn, ids)
+    def trace_context(self, job_id: int) -> dict[int, dict[str, str]]:
+        """The trace context stored with a job (read only when tracing is on: ``sqla_jobs.otel``)."""
+        return self.read(lambda driver, conn: driver.trace_contexts(conn, [job_id]))  # type: ignore[no-any-return]
 
     async def trace_contexts_async(self, ids: list[int]) -> dict[int, dict[str, str]]:
-        return await asyncio.to_thread(self.trace_contexts, ids)
+        return await self.read_async(lambda driver, conn: driver.trace_contexts(conn, ids))  # type: ignore[no-any-return]
 
     def _dispatch(self, run: Run) -> None:
         """Hand the run to a handler thread (the async executor starts a task instead)."""
@@ -167,13 +168,9 @@ class Executor:
         return not self._done.empty()
 
     def abandon(self, run: Run) -> bool:
-        """Give up on a run: its thread may go on, but its result will be discarded.
-
-        Returns False, and changes nothing, when the run's transaction already
-        holds its fenced finish and is committing: the job is then finished by
-        that commit (or, if the commit fails, its error is written as usual), so
-        discarding the result would misreport a job that did finish.
-        """
+        """Give up on a run: its thread may go on, but its result will be discarded. False, and nothing changed,
+        when the run's transaction already holds its fenced finish and is committing: the job is then finished by
+        that commit (or its error is written as usual), so discarding the result would misreport it."""
         with self._fate:
             if run.finishing:
                 return False
@@ -185,11 +182,8 @@ class Executor:
             return True
 
     def deliver_cancel(self, run: Run) -> bool:
-        """A cancel request reached this run: tell its handler; from now on it ends ``cancelled``.
-
-        False when its transaction already holds the fenced finish and is committing
-        (the job is finished by that commit), or it was delivered before.
-        """
+        """A cancel request reached this run: tell its handler; from now on it ends ``cancelled``. False when its
+        transaction already holds the fenced finish and is committing, or it was delivered before."""
         with self._fate:
             if run.finishing or run.cancel_requested or run.abandoned:
                 return False
@@ -251,7 +245,7 @@ class Executor:
                     loop = asyncio.new_event_loop()
                 tracing = self.queue.tracing  # sqla_jobs.otel: None unless instrumented
                 outcome = self._execute(run, loop) if tracing is None else tracing.run(
-                    run, partial(self.trace_contexts, [run.job.id]), partial(self._execute, run, loop))
+                    run, partial(self.trace_context, run.job.id), partial(self._execute, run, loop))
             run.returned = True  # its handler is done: self-fencing leaves its outcome alone
             self._done.put((run, outcome))
             # Wake the control loop when there is something to do, not after every job: the
@@ -304,6 +298,10 @@ class Executor:
         job, handler = run.job, run.handler
         if isinstance(exc, JobSnooze):
             return outcome("snooze", delay=exc.seconds)
+        if isinstance(exc, JobParked):  # a durable sleep or wait: a snooze whose delay the park decides
+            parked = outcome("snooze")
+            parked.park = exc
+            return parked
         if isinstance(exc, (JobCancel, _CancelBeforeCommit)):
             return outcome("cancel", f"JobCancel: {exc}")
         if isinstance(exc, _ClaimLost):
@@ -352,15 +350,24 @@ class Executor:
         failed.committing = run.finishing
         return failed
 
-    def _before_commit(self, run: Run) -> None:
+    def _before_commit(self, run: Run, *, parking: bool = False) -> None:
         """The last check of a transactional run before its commit, under the lock ``abandon`` takes: from
-        here the job is finished iff that commit succeeds (a run abandoned or asked to cancel rolls back)."""
+        here the job is finished iff that commit succeeds (a run abandoned or asked to cancel rolls back).
+        ``parking``: the run parked (a durable sleep or wait): its writes and steps commit, the job stays ours."""
         with self._fate:
             if run.abandoned:
                 raise _ClaimLost()
             if run.cancel_requested:
                 raise _CancelBeforeCommit("cancel requested before the commit: its writes rolled back")
-            run.finishing = True
+            run.finishing = not parking
+
+    def _commit_parked(self, run: Run, session: Session) -> None:
+        """A transactional handler parked: its writes and steps commit now, fenced, the job left running."""
+        session.flush()
+        if not self.driver.hold(session.connection(), run.job.fence):
+            raise _ClaimLost()
+        self._before_commit(run, parking=True)
+        session.commit()
 
     def _execute_in_transaction(self, run: Run) -> None:
         """The handler's writes and the job's completion commit together, or not at all."""
@@ -368,7 +375,11 @@ class Executor:
             self.driver.begin_write(session.connection())
             run.ctx.session = session
             try:
-                value = run.handler.fn(run.job.payload)
+                try:
+                    value = run.handler.fn(run.job.payload)
+                except JobParked:
+                    self._commit_parked(run, session)
+                    raise
                 session.flush()
                 result = None if value is None else self._checked_result(value)
                 progress = run.ctx.progress if self.progress.pop(run.job.fence, None) is not None else None

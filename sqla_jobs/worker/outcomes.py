@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from typing import Any
 
 from sqlalchemy import Connection, Engine
@@ -45,6 +46,7 @@ __all__ = [
     "decide",
     "hand_back_lost",
     "hand_back_unfinished",
+    "park_delay",
     "settle",
 ]
 
@@ -160,6 +162,14 @@ def settle(driver: Driver, conn: Connection, fence: Fence, ending: str, attempt:
     verdict = decide(ending, attempt, max_attempts, refunds, cancel_requested=cancel_requested, error=error,
                      snooze=snooze, retry_delay=retry_delay, pause=pause)
     return verdict if _apply(driver, conn, fence, attempt, verdict) else None
+
+
+def park_delay(driver: Driver, conn: Connection, job_id: int, park: Any) -> float:
+    """A durable sleep or wait (``errors.JobParked``) ended the run: record where it parked, in the caller's
+    transaction, and return the ``snooze``'s delay: 0 if the awaited event was emitted already, else the
+    time left until the due time (sqla_jobs._durable)."""
+    emitted = driver.park(conn, job_id, park.name, park.until, park.started, park.key)
+    return 0.0 if emitted else max(0.0, (park.until - datetime.now(timezone.utc)).total_seconds())
 
 
 def hand_back_unfinished(driver: Driver, conn: Connection, fences: list[Fence]) -> int:

@@ -67,6 +67,7 @@ class Outcome:
     value: Any = None  # what the handler returned (checked, JSON-able), stored with the finished job
     progress: Any = None  # its last progress value, if not written yet
     exception: BaseException | None = None  # what the handler raised, for a tracing span (sqla_jobs.otel)
+    park: Any = None  # a durable sleep or wait (errors.JobParked) that ended the run: a ``snooze`` it decides
 
 
 def outcome_of(run: Run, started: float) -> Callable[..., Outcome]:

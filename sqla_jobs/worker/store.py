@@ -25,7 +25,7 @@ from .._limits import ensure_limits_table, limits_table
 from ..drivers._limits import claim_limited, ensure_rows
 from ..drivers.base import Claimed, Driver, Fence
 from .executor import Outcome
-from .outcomes import hand_back_lost, hand_back_unfinished, settle
+from .outcomes import hand_back_lost, hand_back_unfinished, park_delay, settle
 from .reconnect import retry_pause
 
 __all__ = ["Store"]
@@ -298,6 +298,8 @@ class Store:
     def _settle(self, conn: Connection, o: Outcome) -> str:
         """One outcome through the policy, in ``conn``'s transaction; the name it is reported under."""
         job = o.job
+        if o.park is not None:  # a durable sleep or wait: the park is written first, in this transaction
+            o.delay = park_delay(self.driver, conn, job.id, o.park)
         # o.delay: a snooze's seconds, or the pause before a broker-lost batch is due again (the relay).
         verdict = settle(self.driver, conn, job.fence, o.result, job.attempt, job.max_attempts, error=o.error,
                          snooze=o.delay, pause=o.delay,

@@ -37,7 +37,9 @@ from sqlalchemy import (
     Float,
     Integer,
     Select,
+    Table,
     bindparam,
+    case,
     delete,
     func,
     insert,
@@ -48,6 +50,7 @@ from sqlalchemy import (
     type_coerce,
     update,
 )
+from sqlalchemy.dialects import mysql
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
@@ -251,6 +254,25 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
             entry=json.dumps(entry)
         )
 
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
+        # Nothing to update: the key set to itself (not INSERT IGNORE, which turns other errors into warnings).
+        stmt = mysql.insert(table).values(**row)
+        first = table.primary_key.columns.values()[0]
+        changes = {c: stmt.inserted[c] for c in update} or {first.name: first}
+        conn.execute(stmt.on_duplicate_key_update(changes))
+
+    def wake_waiting(self, conn: Connection, key: str) -> int:
+        # A locking read first: REPEATABLE READ then reads the latest parked steps, not this transaction's snapshot.
+        s, t = self.steps, self.jobs
+        ids = list(conn.scalars(select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
+                                .with_for_update()))
+        now = self.now()
+        woken = 0
+        for start in range(0, len(ids), 1000):
+            woken += conn.execute(update(t).where(t.c.id.in_(ids[start:start + 1000]), t.c.state == "pending")
+                                  .values(run_at=case((t.c.run_at > now, now), else_=t.c.run_at))).rowcount
+        return woken
+
     def dead_letter(self, conn: Connection, fence: Fence, error: str) -> bool:
         t, d = self.jobs, self.dead
         row = next(iter(self._lock_fenced(conn, [fence], t)), None)
@@ -332,6 +354,7 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
             return 0
         gone = conn.execute(delete(t).where(t.c.id.in_(ids))).rowcount
         self.forget_edges(conn, ids)  # after: a batch row goes once its callbacks have left the table
+        self.forget_steps(conn, ids)
         return gone
 
     def run_times(self, conn: Connection, window: float) -> list[tuple[str, int, float, float, float, float]]:

@@ -24,6 +24,10 @@ class PgBench:
 
     jobs: Table
 
+    def open_connections(self, conn: Connection) -> int | None:
+        return int(conn.execute(text("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"))
+                   .scalar_one())
+
     @classmethod
     @contextmanager
     def bench_scratch(cls, url: URL) -> Iterator[URL]:

@@ -40,6 +40,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
 
 from ...errors import ConfigError
+from .._durable import emit_statement, upsert_statement
 from .._graph import SKIPPED
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
@@ -359,6 +360,14 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
         if partitions.is_partitioned(conn, self.jobs):  # no unique index on the parent to conflict on
             return partitions.insert_unique(self, conn, row)
         return on_conflict_insert(self, conn, row, postgresql.insert)
+
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
+        conn.execute(upsert_statement(postgresql.insert(table).values(**row), table, update))
+
+    def emit_row(self, conn: Connection, key: str, data: Any) -> bool:
+        row = {"key": key, "data": data, "emitted_at": self.now(), "created_at": self.now()}
+        stmt = emit_statement(postgresql.insert(self.events).values(**row), self.events)
+        return conn.execute(stmt).first() is not None
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("COALESCE(errors, '[]'::jsonb) || jsonb_build_array(CAST(:entry AS jsonb))").bindparams(

@@ -1,0 +1,258 @@
+"""Durable jobs' statements: checkpointed steps, parked runs, events (mixed into ``Driver``).
+
+Two tables beside the jobs table (``sqla_jobs._durable`` is the user's side):
+
+* ``<jobs>_steps`` (``job_id``, ``name``): one row per step a job reached. A step that
+  returned has ``finished_at`` and its ``value``; a sleep or a wait that parked the job has
+  ``until`` (its due time, or the wait's deadline) and, for a wait, ``awaiting`` (the event
+  key), and gets ``finished_at`` when a later run passes it;
+* ``<jobs>_events`` (``key``): an event's ``data`` once ``emitted_at`` is set. A row with
+  ``emitted_at`` NULL is a rendezvous: a job parked waiting for that key made it.
+
+The rendezvous is what makes waiting race-free without a lock of its own. A parking run and
+an emit both write the key's event row first (``park``: insert-or-ignore and a locking read;
+``emit``: insert-or-ignore, then set it emitted): whichever commits second waited for the
+first's row lock, so either the park reads the event emitted (the job is due at once), or the
+emit's wake-up reads the parked step (the job is made due). An emit rolled back leaves the
+row as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import Column, Connection, Index, MetaData, String, Table, case, delete, select, update
+from sqlalchemy.sql.elements import ColumnElement
+
+from ._claimed import Fence
+
+__all__ = ["EVENT_SUFFIX", "MAX_EVENT_KEY", "MAX_STEP_NAME", "STEP_SUFFIX", "Durable", "emit_statement", "event_table",
+           "step_table", "upsert_statement"]
+
+#: ``<jobs table>_steps`` and ``<jobs table>_events``, in the jobs table's schema.
+STEP_SUFFIX = "_steps"
+EVENT_SUFFIX = "_events"
+#: Where ``emit`` remembers the transaction it notified in (the connection's ``info``).
+_NOTIFIED = "sqla_jobs_durable_notified"
+#: The longest step name and event key (characters).
+MAX_STEP_NAME = 200
+MAX_EVENT_KEY = 255
+
+
+def _beside(jobs: Table, suffix: str, metadata: MetaData | None) -> tuple[MetaData, str, Table | None]:
+    metadata = jobs.metadata if metadata is None else metadata
+    name = f"{jobs.name}{suffix}"
+    key = f"{jobs.schema}.{name}" if jobs.schema else name
+    return metadata, name, metadata.tables.get(key)
+
+
+def step_table(jobs: Table, metadata: MetaData | None = None) -> Table:
+    """``<jobs>_steps`` beside ``jobs``: made in ``jobs``' metadata the first time, the same Table after.
+
+    No foreign key, as for ``<jobs>_deps``: a job moves to the dead letters and back with its id (its
+    steps wait for it there), and a partitioned jobs table has no primary key to point at.
+    """
+    metadata, name, found = _beside(jobs, STEP_SUFFIX, metadata)
+    if found is not None:
+        return found
+    stamp = jobs.c.run_at.type
+    return Table(
+        name,
+        metadata,
+        Column("job_id", jobs.c.id.type, primary_key=True, autoincrement=False),
+        Column("name", String(MAX_STEP_NAME), primary_key=True),
+        Column("value", jobs.c.result.type, nullable=True),
+        #: A sleep's due time or a wait's deadline; NULL for a step.
+        Column("until", stamp, nullable=True),
+        #: The event key a parked wait waits for; NULL for anything else.
+        Column("awaiting", String(MAX_EVENT_KEY), nullable=True),
+        Column("started_at", stamp, nullable=True),
+        Column("finished_at", stamp, nullable=True),
+        Index(f"ix_{name}_awaiting", "awaiting"),
+        schema=jobs.schema,
+    )
+
+
+def event_table(jobs: Table, metadata: MetaData | None = None) -> Table:
+    """``<jobs>_events`` beside ``jobs``: made in ``jobs``' metadata the first time, the same Table after."""
+    metadata, name, found = _beside(jobs, EVENT_SUFFIX, metadata)
+    if found is not None:
+        return found
+    stamp = jobs.c.run_at.type
+    return Table(
+        name,
+        metadata,
+        Column("key", String(MAX_EVENT_KEY), primary_key=True),
+        Column("data", jobs.c.result.type, nullable=True),
+        #: NULL: not emitted yet (a parked job waits for it).
+        Column("emitted_at", stamp, nullable=True),
+        Column("created_at", stamp, nullable=False),
+        schema=jobs.schema,
+    )
+
+
+def upsert_statement(stmt: Any, table: Table, update: Sequence[str]) -> Any:
+    """``INSERT ... ON CONFLICT (primary key) DO UPDATE SET`` the columns ``update`` (``DO NOTHING`` without
+    any), for the dialects that spell it so (PostgreSQL, SQLite): ``stmt`` is their ``insert(table).values()``."""
+    if not update:
+        return stmt.on_conflict_do_nothing()
+    return stmt.on_conflict_do_update(index_elements=list(table.primary_key.columns),
+                                      set_={c: stmt.excluded[c] for c in update})
+
+
+def emit_statement(stmt: Any, table: Table) -> Any:
+    """``emit_row`` in one statement for PostgreSQL and SQLite (``stmt``: their ``insert(events).values(row)``):
+    on the key's conflict, the row becomes the emitted event only while it is not one. It returns the key
+    if this emit won, no row if an earlier one had (a RETURNING: the driver's rowcount is -1 here)."""
+    return stmt.on_conflict_do_update(index_elements=[table.c.key],
+                                      set_={"data": stmt.excluded.data, "emitted_at": stmt.excluded.emitted_at},
+                                      where=table.c.emitted_at.is_(None)).returning(table.c.key)
+
+
+class Durable:
+    """The statements of durable jobs (see the module docstring)."""
+
+    jobs: Table
+
+    if TYPE_CHECKING:  # Driver's own (declared here for the type checker only: Driver must win the MRO)
+        def now(self) -> ColumnElement[datetime]: ...
+        def notify(self, conn: Connection) -> None: ...
+        def fenced(self, fences: Sequence[Fence]) -> ColumnElement[bool]: ...
+
+    @property
+    def steps(self) -> Table:
+        return step_table(self.jobs)
+
+    @property
+    def events(self) -> Table:
+        return event_table(self.jobs)
+
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
+        """Insert ``row``; if its primary key is taken (waiting for an uncommitted row with that key), set the
+        columns ``update`` to ``row``'s values instead, or leave the row as it is. Each backend's own."""
+        raise NotImplementedError
+
+    # -- a run's steps --------------------------------------------------------------------
+
+    def job_steps(self, conn: Connection, job_id: int) -> list[Any]:
+        """A job's step rows (``name``, ``value``, ``until``, ``awaiting``, ``started_at``, ``finished_at``),
+        in the order they were started."""
+        s = self.steps
+        stmt = (select(s.c.name, s.c.value, s.c.until, s.c.awaiting, s.c.started_at, s.c.finished_at)
+                .where(s.c.job_id == job_id).order_by(s.c.started_at, s.c.name))
+        return list(conn.execute(stmt))
+
+    def save_step(self, conn: Connection, job_id: int, name: str, value: Any, started: datetime,
+                  finished: datetime) -> None:
+        """A step (or a passed sleep or wait) is done: its value and times, over a parked row if there is one."""
+        row = {"job_id": job_id, "name": name, "value": value, "until": None, "awaiting": None, "started_at": started,
+               "finished_at": finished}
+        self.upsert(conn, self.steps, row, ("value", "awaiting", "finished_at"))
+
+    def park(self, conn: Connection, job_id: int, name: str, until: datetime, started: datetime,
+             key: str | None) -> bool:
+        """Record that a run parked at the sleep or wait ``name`` until ``until`` (waiting for ``key``, if
+        given), in the transaction that hands the job back. Returns True when ``key`` was emitted already
+        (then nothing waits: the job should be due now)."""
+        if key is not None:
+            e = self.events
+            self.upsert(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": self.now()})
+            emitted = conn.execute(select(e.c.emitted_at).where(e.c.key == key).with_for_update()).scalar()
+            if emitted is not None:
+                return True
+        row = {"job_id": job_id, "name": name, "value": None, "until": until, "awaiting": key, "started_at": started,
+               "finished_at": None}
+        self.upsert(conn, self.steps, row, ("until", "awaiting"))
+        return False
+
+    def hold(self, conn: Connection, fence: Fence) -> bool:
+        """Lock the running job ``fence`` until the caller's transaction ends; whether it is still ours (a
+        transactional handler that parks commits its steps under this, fenced like a finish)."""
+        t = self.jobs
+        return conn.execute(update(t).where(self.fenced([fence])).values(locked_at=t.c.locked_at)).rowcount == 1
+
+    def end_parks(self, conn: Connection, kind: str | None, now: datetime) -> int:
+        """Tests (``sqla_jobs.testing.make_due``): the sleeps and waits of the parked jobs (pending, due later;
+        of ``kind`` if given) end at ``now``, so their next run passes them (a wait with None). Call it before
+        their ``run_at`` moves. Returns how many ended."""
+        s, t = self.steps, self.jobs
+        parked = select(t.c.id).where(t.c.state == "pending", t.c.run_at > self.now())
+        if kind is not None:
+            parked = parked.where(t.c.kind == kind)
+        ids = list(conn.scalars(parked))
+        ended = 0
+        for start in range(0, len(ids), 1000):
+            ended += conn.execute(update(s).where(s.c.job_id.in_(ids[start:start + 1000]), s.c.finished_at.is_(None),
+                                                  s.c.until.is_not(None)).values(until=now)).rowcount
+        return ended
+
+    def open_connections(self, conn: Connection) -> int | None:
+        """How many connections the server has open to this database (``bench --durable``: parked jobs hold
+        none); None where there is no server to ask."""
+        return None
+
+    def forget_steps(self, conn: Connection, job_ids: Sequence[int]) -> None:
+        """Pruned jobs take their steps with them."""
+        s = self.steps
+        for start in range(0, len(job_ids), 1000):
+            conn.execute(delete(s).where(s.c.job_id.in_(list(job_ids[start:start + 1000]))))
+
+    # -- events -----------------------------------------------------------------------------
+
+    def event(self, conn: Connection, key: str) -> Any:
+        """The emitted event ``key`` (``data``, ``emitted_at``), or None."""
+        e = self.events
+        return conn.execute(select(e.c.data, e.c.emitted_at)
+                            .where(e.c.key == key, e.c.emitted_at.is_not(None))).first()
+
+    def emit(self, conn: Connection, key: str, data: Any) -> int | None:
+        """Emit ``key`` with ``data`` in the caller's transaction: None if it was emitted before (the first
+        emit wins, this one changes nothing), else how many parked jobs it made due now (they run when
+        this transaction commits; listening workers are woken then)."""
+        if not self.emit_row(conn, key, data):
+            return None
+        woken = self.wake_waiting(conn, key)
+        # One NOTIFY per transaction is enough (PostgreSQL folds identical ones at commit anyway): an emit of
+        # 10,000 events in one transaction is 10,000 round trips fewer.
+        transaction = conn.get_transaction()
+        if woken and conn.info.get(_NOTIFIED) is not transaction:
+            self.notify(conn)
+            conn.info[_NOTIFIED] = transaction
+        return woken
+
+    def emit_row(self, conn: Connection, key: str, data: Any) -> bool:
+        """Write event ``key`` emitted with ``data`` unless it was emitted before; whether this emit did. Two
+        statements: the key's row made if missing (a park's rendezvous row may be there), then set emitted
+        while it is not (PostgreSQL and SQLite do both in one ``INSERT ... ON CONFLICT DO UPDATE ... WHERE``)."""
+        e = self.events
+        now = self.now()
+        self.upsert(conn, e, {"key": key, "data": None, "emitted_at": None, "created_at": now})
+        return bool(conn.execute(update(e).where(e.c.key == key, e.c.emitted_at.is_(None))
+                                 .values(data=data, emitted_at=now)).rowcount)
+
+    def wake_waiting(self, conn: Connection, key: str) -> int:
+        """The jobs parked waiting for ``key`` become due now; how many. One statement: its subquery reads the
+        parked steps committed before it started, which includes any park this emit's row lock waited for
+        (MariaDB/MySQL, whose REPEATABLE READ would read its snapshot, override it with a locking read)."""
+        s, t = self.steps, self.jobs
+        now = self.now()
+        waiting = select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
+        return conn.execute(update(t).where(t.c.id.in_(waiting), t.c.state == "pending")
+                            .values(run_at=case((t.c.run_at > now, now), else_=t.c.run_at))).rowcount
+
+    def waiting_for(self, conn: Connection, key: str) -> list[int]:
+        """The jobs parked waiting for ``key``, by id."""
+        s = self.steps
+        return list(conn.scalars(select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
+                                 .order_by(s.c.job_id)))
+
+    def prune_events(self, conn: Connection, before: datetime) -> int:
+        """Delete the events emitted before ``before``, and rendezvous rows made before it that no job
+        waits on any more. Returns how many."""
+        e, s = self.events, self.steps
+        waited = select(s.c.awaiting).where(s.c.awaiting.is_not(None), s.c.finished_at.is_(None))
+        stale = ((e.c.emitted_at < before)
+                 | (e.c.emitted_at.is_(None) & (e.c.created_at < before) & e.c.key.not_in(waited)))
+        return conn.execute(delete(e).where(stale)).rowcount
