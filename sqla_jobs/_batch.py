@@ -55,7 +55,7 @@ from sqlalchemy import Connection, Table, event
 from sqlalchemy.orm import Session, UOWTransaction
 from sqlalchemy.orm.attributes import instance_dict, instance_state
 
-from ._graph import driver_of, is_job
+from ._graph import driver_of, is_job, new_in
 from .drivers import CALLBACK_POLICIES, Driver
 from .errors import InvalidJob
 
@@ -195,12 +195,7 @@ class _Joining:
 @event.listens_for(Session, "before_flush")
 def _before_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
     """Open (or grow) the batches of this flush's new members, before their INSERT."""
-    if not _UNFLUSHED:
-        return
-    with _UNFLUSHED_LOCK:
-        unflushed = list(_UNFLUSHED)
-    mine = [job for job in unflushed
-            if (state := instance_state(job)).session_id == session.hash_key and state.key is None]
+    mine = new_in(session, _UNFLUSHED, _UNFLUSHED_LOCK)
     if not mine:
         return
     groups: dict[Any, list[Any]] = {}

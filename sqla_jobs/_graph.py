@@ -52,7 +52,7 @@ from sqlalchemy.orm.attributes import instance_dict, instance_state
 from .drivers import ERRBACK, FAILURE_POLICIES, Driver, driver_for, edge_table
 from .errors import InvalidJob
 
-__all__ = ["DependsOn", "check_policy", "driver_of", "is_job", "register_tables"]
+__all__ = ["DependsOn", "check_policy", "driver_of", "is_job", "new_in", "register_tables"]
 
 #: Each jobs table's dead-letter table, as the ``JobQueue`` that pairs them said (for the flush's checks).
 _DEAD: weakref.WeakKeyDictionary[Table, Table] = weakref.WeakKeyDictionary()
@@ -117,6 +117,16 @@ def is_job(value: Any) -> bool:
     return isinstance(getattr(type(value), "depends_on", None), DependsOn)
 
 
+def new_in(session: Session, unflushed: weakref.WeakSet[Any], lock: threading.Lock) -> list[Any]:
+    """The jobs of ``unflushed`` (given ``depends_on`` or ``batch``) that are new in ``session``: what its flush
+    looks at (a copy under ``lock``: sessions in other threads add and flush at the same time)."""
+    if not unflushed:
+        return []
+    with lock:
+        jobs = list(unflushed)
+    return [job for job in jobs if (state := instance_state(job)).session_id == session.hash_key and state.key is None]
+
+
 def driver_of(conn: Connection, jobs: Table) -> Driver:
     key = (type(conn.dialect), jobs)
     driver = _DRIVERS.get(key)
@@ -128,12 +138,7 @@ def driver_of(conn: Connection, jobs: Table) -> Driver:
 @event.listens_for(Session, "before_flush")
 def _before_flush(session: Session, flush_context: UOWTransaction, instances: Any) -> None:
     """Check the new dependents of this flush and set their state and count before their INSERT."""
-    if not _UNFLUSHED:
-        return
-    with _UNFLUSHED_LOCK:
-        unflushed = list(_UNFLUSHED)
-    mine = [job for job in unflushed
-            if (state := instance_state(job)).session_id == session.hash_key and state.key is None]
+    mine = new_in(session, _UNFLUSHED, _UNFLUSHED_LOCK)
     if not mine:
         return
     # An upstream given only as an object comes with its dependent, and so do its own upstreams. The walk

@@ -45,7 +45,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.sql.elements import ColumnElement
 
-from ._setup import DatabaseNow
+from ._setup import DatabaseNow, beside
 
 __all__ = ["BATCH_SUFFIX", "CALLBACK_POLICIES", "ERRBACK", "Batches", "batch_table"]
 
@@ -63,11 +63,9 @@ def batch_table(jobs: Table, metadata: MetaData | None = None) -> Table:
 
     No foreign keys, for the reasons ``edge_table`` gives.
     """
-    metadata = jobs.metadata if metadata is None else metadata
-    name = f"{jobs.name}{BATCH_SUFFIX}"
-    key = f"{jobs.schema}.{name}" if jobs.schema else name
-    if key in metadata.tables:
-        return metadata.tables[key]
+    metadata, name, found = beside(jobs, BATCH_SUFFIX, metadata)
+    if found is not None:
+        return found
     return Table(
         name,
         metadata,

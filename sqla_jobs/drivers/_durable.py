@@ -27,6 +27,7 @@ from sqlalchemy import Column, Connection, Index, MetaData, String, Table, case,
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import Fence
+from ._setup import beside
 
 __all__ = ["EVENT_SUFFIX", "MAX_EVENT_KEY", "MAX_STEP_NAME", "STEP_SUFFIX", "Durable", "emit_statement", "event_table",
            "step_table", "upsert_statement"]
@@ -41,20 +42,13 @@ MAX_STEP_NAME = 200
 MAX_EVENT_KEY = 255
 
 
-def _beside(jobs: Table, suffix: str, metadata: MetaData | None) -> tuple[MetaData, str, Table | None]:
-    metadata = jobs.metadata if metadata is None else metadata
-    name = f"{jobs.name}{suffix}"
-    key = f"{jobs.schema}.{name}" if jobs.schema else name
-    return metadata, name, metadata.tables.get(key)
-
-
 def step_table(jobs: Table, metadata: MetaData | None = None) -> Table:
     """``<jobs>_steps`` beside ``jobs``: made in ``jobs``' metadata the first time, the same Table after.
 
     No foreign key, as for ``<jobs>_deps``: a job moves to the dead letters and back with its id (its
     steps wait for it there), and a partitioned jobs table has no primary key to point at.
     """
-    metadata, name, found = _beside(jobs, STEP_SUFFIX, metadata)
+    metadata, name, found = beside(jobs, STEP_SUFFIX, metadata)
     if found is not None:
         return found
     stamp = jobs.c.run_at.type
@@ -77,7 +71,7 @@ def step_table(jobs: Table, metadata: MetaData | None = None) -> Table:
 
 def event_table(jobs: Table, metadata: MetaData | None = None) -> Table:
     """``<jobs>_events`` beside ``jobs``: made in ``jobs``' metadata the first time, the same Table after."""
-    metadata, name, found = _beside(jobs, EVENT_SUFFIX, metadata)
+    metadata, name, found = beside(jobs, EVENT_SUFFIX, metadata)
     if found is not None:
         return found
     stamp = jobs.c.run_at.type

@@ -47,6 +47,7 @@ from sqlalchemy.sql.elements import ColumnElement
 
 from ._batches import ERRBACK, batch_table
 from ._operations import truncate
+from ._setup import beside
 
 __all__ = ["EDGE_SUFFIX", "FAILURE_POLICIES", "SKIPPED", "Graph", "edge_table", "on_upstream_failure"]
 
@@ -64,11 +65,9 @@ def edge_table(jobs: Table, metadata: MetaData | None = None) -> Table:
     pruned or purged, and a partitioned jobs table has no primary key to point at. The statements here
     keep the rows consistent instead. The ids have the jobs table's id type (and its backend variants).
     """
-    metadata = jobs.metadata if metadata is None else metadata
-    name = f"{jobs.name}{EDGE_SUFFIX}"
-    key = f"{jobs.schema}.{name}" if jobs.schema else name
-    if key in metadata.tables:
-        return metadata.tables[key]
+    metadata, name, found = beside(jobs, EDGE_SUFFIX, metadata)
+    if found is not None:
+        return found
     return Table(
         name,
         metadata,

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import Computed, Connection, DateTime, Engine, Index, Table, insert
+from sqlalchemy import Computed, Connection, DateTime, Engine, Index, MetaData, Table, insert
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
@@ -22,7 +22,15 @@ from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
 
-__all__ = ["DatabaseNow", "GeneratedColumn", "IndexDefinition", "Setup", "index_dialects"]
+__all__ = ["DatabaseNow", "GeneratedColumn", "IndexDefinition", "Setup", "beside", "index_dialects"]
+
+
+def beside(jobs: Table, suffix: str, metadata: MetaData | None) -> tuple[MetaData, str, Table | None]:
+    """A table beside ``jobs`` (``<jobs><suffix>``, in its schema): the metadata it goes in, its name, and the
+    Table if that metadata has it already (job graphs' edges, batches, durable steps and events)."""
+    metadata = jobs.metadata if metadata is None else metadata
+    name = f"{jobs.name}{suffix}"
+    return metadata, name, metadata.tables.get(f"{jobs.schema}.{name}" if jobs.schema else name)
 
 
 class DatabaseNow(FunctionElement[datetime]):
