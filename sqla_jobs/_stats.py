@@ -43,6 +43,8 @@ docs/howto/monitoring.md for the measured cost on a million-row table.
 
 from __future__ import annotations
 
+import logging
+import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -53,7 +55,10 @@ from ._durations import format_duration
 from .drivers.base import Driver, percentile
 from .errors import ConfigError
 
-__all__ = ["DeadLetters", "QueueLength", "QueueStats", "RunTime", "collect", "percentile", "stats_tables"]
+__all__ = ["DeadLetters", "QueueLength", "QueueStats", "RunTime", "cached_stats", "collect", "percentile",
+           "stats_tables"]
+
+log = logging.getLogger("sqla_jobs")
 
 DEFAULT_WINDOW = 3600.0
 
@@ -223,3 +228,22 @@ def stats_tables(s: QueueStats) -> list[tuple[str, list[str], list[list[str]]]]:
 
 def _rate(per_minute: float) -> str:
     return f"{per_minute:.2f}" if per_minute < 10 else f"{per_minute:.0f}"
+
+
+def cached_stats(gauges: Any) -> QueueStats | None:
+    """``gauges.queue.stats(gauges.engine, run_times=False)``, at most ``gauges.stats_max_age`` seconds old, kept
+    in ``gauges._cached`` under ``gauges._lock`` (the Prometheus exporter's and the OpenTelemetry meter's
+    gauges); None if the database did not answer: a collection must not crash the worker, the gauges just go
+    missing."""
+    assert gauges.engine is not None
+    with gauges._lock:
+        at, cached = gauges._cached
+        if time.monotonic() - at < gauges.stats_max_age:
+            return cached  # type: ignore[no-any-return]
+        try:
+            cached = gauges.queue.stats(gauges.engine, run_times=False)
+        except Exception as exc:
+            log.warning("metrics: could not read the stats: %s", str(exc).splitlines()[0])
+            cached = None
+        gauges._cached = (time.monotonic(), cached)
+        return cached  # type: ignore[no-any-return]

@@ -40,14 +40,13 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
 from sqlalchemy import Engine
 
 from ._app import JobEvent, JobQueue
-from ._stats import QueueLength, QueueStats
+from ._stats import QueueLength, QueueStats, cached_stats
 from .errors import ConfigError
 
 try:
@@ -135,18 +134,7 @@ class QueueMetrics:
 
     def table_stats(self) -> QueueStats | None:
         """The cheap figures, at most ``stats_max_age`` seconds old; None if the database did not answer."""
-        assert self.engine is not None
-        with self._lock:
-            at, cached = self._cached
-            if time.monotonic() - at < self.stats_max_age:
-                return cached
-            try:
-                cached = self.queue.stats(self.engine, run_times=False)
-            except Exception as exc:  # a scrape must not crash the worker; the gauges just go missing
-                log.warning("metrics: could not read the stats: %s", str(exc).splitlines()[0])
-                cached = None
-            self._cached = (time.monotonic(), cached)
-            return cached
+        return cached_stats(self)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         """Serve ``/metrics`` on ``addr:port`` from a daemon thread."""

@@ -36,7 +36,6 @@ from __future__ import annotations
 import json
 import logging
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -45,7 +44,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.orm.attributes import instance_dict
 
 from ._app import JobEvent, JobQueue
-from ._stats import QueueLength, QueueStats
+from ._stats import QueueLength, QueueStats, cached_stats
 from .errors import ConfigError
 
 try:
@@ -287,18 +286,7 @@ class QueueMeter:
 
     def table_stats(self) -> QueueStats | None:
         """The cheap figures, at most ``stats_max_age`` seconds old; None if the database did not answer."""
-        assert self.engine is not None
-        with self._lock:
-            at, cached = self._cached
-            if time.monotonic() - at < self.stats_max_age:
-                return cached
-            try:
-                cached = self.queue.stats(self.engine, run_times=False)
-            except Exception as exc:  # a collection must not crash the worker; the gauges just go missing
-                log.warning("metrics: could not read the stats: %s", str(exc).splitlines()[0])
-                cached = None
-            self._cached = (time.monotonic(), cached)
-            return cached
+        return cached_stats(self)
 
     def _queues(self) -> Iterable[QueueLength]:
         stats = self.table_stats()
