@@ -16,7 +16,7 @@ from tests import forkserver
 from tests.conftest import server_url
 from tests.test_cli import clean_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # bench processes with parked waiters: it runs alone
 
 NUMBER = r"-?[\d,]+\.\d\d"
 FIGURES = [

@@ -22,7 +22,9 @@ from tests import durable_app, forkserver
 from tests.conftest import ROOT, Database
 from tests.helpers import effects, enqueue, job
 
-pytestmark = pytest.mark.slow
+# Serial: its worker processes are SIGKILLed over and over; in the parallel phase that load starved the
+# timing-sensitive fault tests beside it (the relay's refusals, the fault matrix's outage and PgBouncer rows).
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 PLAIN = [f"{where}-s{i}" for i in range(5) for where in ("step", "after")]
 TRANSACTIONAL = [f"{where}-t{i}" for i in range(5) for where in ("step", "after")]
