@@ -55,10 +55,28 @@ from ._durations import format_duration
 from .drivers.base import Driver, percentile
 from .errors import ConfigError
 
-__all__ = ["DeadLetters", "QueueLength", "QueueStats", "RunTime", "cached_stats", "collect", "percentile",
-           "stats_tables"]
+__all__ = ["COUNTED", "COUNTERS", "DeadLetters", "QueueLength", "QueueStats", "RunTime", "cached_stats", "collect",
+           "percentile", "stats_tables"]
 
 log = logging.getLogger("sqla_jobs")
+
+#: The job counters both exporters keep (``sqla_jobs.metrics``, ``sqla_jobs.otel``): name -> help text ...
+COUNTERS = {
+    "finished": "Job runs that finished successfully.",
+    "failed": "Job runs that failed (then retried or dead-lettered).",
+    "retried": "Failed job runs that were scheduled for another attempt.",
+    "dead_lettered": "Jobs moved to the dead-letter table after their last attempt.",
+    "cancelled": "Jobs that ended cancelled.",
+    "lost": "Job results discarded because the worker lost its claim.",
+}
+#: ... and which of them each hook event counts.
+COUNTED = {
+    "finished": ("finished",),
+    "failed": ("failed", "retried"),
+    "dead_letter": ("failed", "dead_lettered"),
+    "cancelled": ("cancelled",),
+    "lost": ("lost",),
+}
 
 DEFAULT_WINDOW = 3600.0
 

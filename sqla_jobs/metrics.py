@@ -46,7 +46,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from ._app import JobEvent, JobQueue
-from ._stats import QueueLength, QueueStats, cached_stats
+from ._stats import COUNTED, COUNTERS, QueueLength, QueueStats, cached_stats
 from .errors import ConfigError
 
 try:
@@ -65,13 +65,6 @@ log = logging.getLogger("sqla_jobs.metrics")
 #: Seconds; from a fast handler (5 ms) to a slow batch job (30 min).
 RUN_TIME_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
-_COUNTED = {
-    "finished": ("finished",),
-    "failed": ("failed", "retried"),
-    "dead_letter": ("failed", "dead_lettered"),
-    "cancelled": ("cancelled",),
-    "lost": ("lost",),
-}
 
 
 class QueueMetrics:
@@ -96,20 +89,13 @@ class QueueMetrics:
         self.stats_max_age = stats_max_age
         self._counters: dict[str, Counter] = {
             name: Counter(f"jobs_{name}", help_text, ["kind"], namespace=namespace, registry=self.registry)
-            for name, help_text in (
-                ("finished", "Job runs that finished successfully."),
-                ("failed", "Job runs that failed (then retried or dead-lettered)."),
-                ("retried", "Failed job runs that were scheduled for another attempt."),
-                ("dead_lettered", "Jobs moved to the dead-letter table after their last attempt."),
-                ("cancelled", "Jobs that ended cancelled."),
-                ("lost", "Job results discarded because the worker lost its claim."),
-            )
+            for name, help_text in COUNTERS.items()
         }
         self.run_seconds = Histogram(
             "job_run_seconds", "Run time of job runs, by kind (finished and failed runs).", ["kind"],
             namespace=namespace, registry=self.registry, buckets=RUN_TIME_BUCKETS,
         )
-        for event in _COUNTED:
+        for event in COUNTED:
             queue.on(event)(self._on_event)
         self._lock = threading.Lock()
         self._cached: tuple[float, QueueStats | None] = (-1e9, None)
@@ -120,14 +106,14 @@ class QueueMetrics:
 
     def detach(self) -> None:
         """Stop counting this app's events and drop the collectors from the registry."""
-        for event in _COUNTED:
+        for event in COUNTED:
             self.queue.off(event, self._on_event)
         for collector in (*self._counters.values(), self.run_seconds, *self._collectors):
             self.registry.unregister(collector)
         self._collectors = []
 
     def _on_event(self, event: JobEvent) -> None:
-        for name in _COUNTED[event.name]:
+        for name in COUNTED[event.name]:
             self._counters[name].labels(event.kind).inc()
         if event.duration is not None and event.name in ("finished", "failed", "dead_letter"):
             self.run_seconds.labels(event.kind).observe(event.duration)

@@ -44,7 +44,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.orm.attributes import instance_dict
 
 from ._app import JobEvent, JobQueue
-from ._stats import QueueLength, QueueStats, cached_stats
+from ._stats import COUNTED, COUNTERS, QueueLength, QueueStats, cached_stats
 from .errors import ConfigError
 
 try:
@@ -216,23 +216,6 @@ def _end(span: Span, run: Any, outcome: Any) -> None:
 
 # -- metrics -----------------------------------------------------------------------------------------
 
-#: Counter per hook event, as ``sqla_jobs.metrics`` counts them.
-_COUNTED = {
-    "finished": ("finished",),
-    "failed": ("failed", "retried"),
-    "dead_letter": ("failed", "dead_lettered"),
-    "cancelled": ("cancelled",),
-    "lost": ("lost",),
-}
-_COUNTER_HELP = {
-    "finished": "Job runs that finished successfully.",
-    "failed": "Job runs that failed (then retried or dead-lettered).",
-    "retried": "Failed job runs that were scheduled for another attempt.",
-    "dead_lettered": "Jobs moved to the dead-letter table after their last attempt.",
-    "cancelled": "Jobs that ended cancelled.",
-    "lost": "Job results discarded because the worker lost its claim.",
-}
-
 
 class QueueMeter:
     """The figures of ``sqla_jobs.metrics.QueueMetrics`` through the OpenTelemetry meter.
@@ -252,10 +235,10 @@ class QueueMeter:
         self.stats_max_age = stats_max_age
         meter = metrics.get_meter("sqla_jobs", meter_provider=meter_provider)
         self._counters = {name: meter.create_counter(f"sqla_jobs.jobs.{name}", unit="{job}", description=text)
-                          for name, text in _COUNTER_HELP.items()}
+                          for name, text in COUNTERS.items()}
         self.run_duration = meter.create_histogram(
             "sqla_jobs.job.run.duration", unit="s", description="Run time of job runs (finished and failed runs).")
-        for name in _COUNTED:
+        for name in COUNTED:
             queue.on(name)(self._on_event)
         self._lock = threading.Lock()
         self._cached: tuple[float, QueueStats | None] = (-1e9, None)
@@ -274,12 +257,12 @@ class QueueMeter:
 
     def detach(self) -> None:
         """Stop counting this app's events (the instruments stay with the meter, reporting what they have)."""
-        for name in _COUNTED:
+        for name in COUNTED:
             self.queue.off(name, self._on_event)
 
     def _on_event(self, job_event: JobEvent) -> None:
         attributes = {"sqla_jobs.job.kind": job_event.kind}
-        for name in _COUNTED[job_event.name]:
+        for name in COUNTED[job_event.name]:
             self._counters[name].add(1, attributes)
         if job_event.duration is not None and job_event.name in ("finished", "failed", "dead_letter"):
             self.run_duration.record(job_event.duration, attributes)

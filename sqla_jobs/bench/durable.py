@@ -25,8 +25,6 @@ medians:
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from typing import Any
@@ -34,11 +32,10 @@ from typing import Any
 from sqlalchemy import Engine, create_engine, func, select
 from sqlalchemy.orm import Session
 
-from .._bootstrap import database_url, make_engine, missing_database
 from ..drivers import step_table
 from ..errors import ConfigError
 from .app import BenchJob, queue
-from .run import _any_unfinished, _pct, _reset, _rss_mb, scratch, vars_of, worker_processes
+from .run import Figures, _any_unfinished, _pct, _reset, _rss_mb, reachable, scratch, worker_processes
 
 __all__ = ["run_durable"]
 
@@ -141,13 +138,9 @@ def run_durable(args: argparse.Namespace) -> int:
         raise ConfigError("--durable, --graphs and --soak are different benches: give one")
     if args.latency_samples < 2 or args.waiters < 1:
         raise ConfigError("--durable needs --latency-samples >= 2 and --waiters >= 1")
-    url = database_url(args.url)
-    if missing_database(url) is None:
-        make_engine(args.url).dispose()
-    results: dict[str, list[float]] = {}
-
-    def record(name: str, value: float) -> None:
-        results.setdefault(name, []).append(value)
+    url = reachable(args.url)
+    figures = Figures()
+    record = figures.record
 
     with scratch(url) as bench_url:
         engine = create_engine(bench_url, pool_size=10)
@@ -165,9 +158,9 @@ def run_durable(args: argparse.Namespace) -> int:
                 record(name, value)
             print(f"run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
         engine.dispose()
-    summary = {name: statistics.median(values) for name, values in results.items()}
+    summary = figures.medians()
     if args.json:
-        print(json.dumps({"settings": vars_of(args), "medians": summary, "runs": results}, indent=2))
+        figures.print_json(args, summary)
         return 0
     print(f"\nsqla-jobs bench --durable on {url.get_backend_name()}: {args.latency_samples} jobs of 10 steps "
           f"(1 process x 1 thread), {args.latency_samples} emits (1 process x {args.concurrency} threads); "

@@ -33,8 +33,6 @@ medians (``--graphs fan,chain,enqueue`` picks scenarios; all three by default):
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -45,10 +43,9 @@ from sqlalchemy import Engine, create_engine, func, select
 from sqlalchemy.orm import Session
 
 from .._batch import Batch
-from .._bootstrap import database_url, make_engine, missing_database
 from ..errors import ConfigError
 from .app import BenchJob, queue
-from .run import _any_unfinished, _pct, _reset, scratch, vars_of, worker_processes
+from .run import Figures, _any_unfinished, _pct, _reset, reachable, scratch, worker_processes
 
 __all__ = ["SCENARIOS", "run_graphs"]
 
@@ -243,14 +240,10 @@ def batch_rates(engine: Engine, kind: str, n: int, turn: int) -> dict[str, float
 
 def run_graphs(args: argparse.Namespace) -> int:
     chosen = _check(args)
-    url = database_url(args.url)
-    if missing_database(url) is None:  # a server: check it answers. A file: the scratch goes beside it
-        make_engine(args.url).dispose()
+    url = reachable(args.url)
     kind = "async_noop" if args.use_async else "noop"
-    results: dict[str, list[float]] = {}
-
-    def record(name: str, value: float) -> None:
-        results.setdefault(name, []).append(value)
+    figures = Figures()
+    record = figures.record
 
     with scratch(url) as bench_url:
         engine = create_engine(bench_url, pool_size=10)
@@ -284,9 +277,9 @@ def run_graphs(args: argparse.Namespace) -> int:
                 record(BATCH_COST, made[BATCH_PLAIN] / made[BATCH])
             print(f"run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
         engine.dispose()
-    summary = {name: statistics.median(values) for name, values in results.items()}
+    summary = figures.medians()
     if args.json:
-        print(json.dumps({"settings": vars_of(args), "medians": summary, "runs": results}, indent=2))
+        figures.print_json(args, summary)
         return 0
     flavour = "async worker, async no-op handlers" if args.use_async else "threaded worker"
     sizes = {"fan": f"fan-out N = {args.fan_out:,} ({args.processes} process(es) x {args.concurrency} threads)",

@@ -266,14 +266,34 @@ def _pct(values: list[float], p: int) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    url = database_url(args.url)
-    if missing_database(url) is None:  # a server: check it answers. A file: the scratch goes beside it
-        make_engine(args.url).dispose()
-    results: dict[str, list[float]] = {}
+def reachable(raw_url: str | None) -> URL:
+    """The bench's database URL; a server is checked to answer first (a file: the scratch goes beside it)."""
+    url = database_url(raw_url)
+    if missing_database(url) is None:
+        make_engine(raw_url).dispose()
+    return url
 
-    def record(name: str, value: float) -> None:
-        results.setdefault(name, []).append(value)
+
+class Figures:
+    """Each figure's value in every run (``record``), their medians, and the ``--json`` report of a bench."""
+
+    def __init__(self) -> None:
+        self.runs: dict[str, list[float]] = {}
+
+    def record(self, name: str, value: float) -> None:
+        self.runs.setdefault(name, []).append(value)
+
+    def medians(self) -> dict[str, float]:
+        return {name: statistics.median(values) for name, values in self.runs.items()}
+
+    def print_json(self, args: argparse.Namespace, medians: dict[str, float]) -> None:
+        print(json.dumps({"settings": vars_of(args), "medians": medians, "runs": self.runs}, indent=2))
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    url = reachable(args.url)
+    figures = Figures()
+    record = figures.record
 
     with scratch(url) as bench_url:
         engine = create_engine(bench_url, pool_size=10)
@@ -321,7 +341,7 @@ def run_bench(args: argparse.Namespace) -> int:
                 record("pickup p99 (ms)", _pct(lat, 99))
             print(f"run {run + 1}/{args.runs} done", file=sys.stderr, flush=True)
         engine.dispose()
-    summary = {name: statistics.median(values) for name, values in results.items()}
+    summary = figures.medians()
     summary["one-per-transaction vs raw SQL"] = (
         summary["enqueue one per transaction (jobs/s)"] / summary["raw SQL insert one per transaction (jobs/s)"]
     )
@@ -334,7 +354,7 @@ def run_bench(args: argparse.Namespace) -> int:
         / max(summary["raw INSERT added to a business transaction (us)"], 1e-9)
     )
     if args.json:
-        print(json.dumps({"settings": vars_of(args), "medians": summary, "runs": results}, indent=2))
+        figures.print_json(args, summary)
     else:
         flavour = "async worker, async no-op handlers" if getattr(args, "use_async", False) else "threaded worker"
         vacuum = f", vacuum at {args.vacuum_dead_rows} dead rows" if getattr(args, "vacuum_dead_rows", None) else ""
