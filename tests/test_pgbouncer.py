@@ -24,6 +24,7 @@ from tests import app, forkserver
 from tests.conftest import ROOT
 from tests.helpers import count
 from tests.pgbouncer import running_pgbouncer
+from tests.reliability.harness import wait_for
 
 
 @pytest.fixture
@@ -33,11 +34,11 @@ def bouncer() -> Iterator[tuple[str, str]]:
         yield urls
 
 
-def start_workers(url: str, processes: int) -> list[forkserver.Popen]:
+def start_workers(url: str, processes: int, *options: str) -> list[forkserver.Popen]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SQLA_JOBS_")}
     env["PYTHONPATH"] = str(ROOT)
     argv = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--url", url, "--app", "tests.app:queue",
-            "--no-listen", "--burst", "--concurrency", "4", "--poll-interval", "0.05"]
+            "--no-listen", "--burst", "--concurrency", "4", "--poll-interval", "0.05", *options]
     return [forkserver.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for _ in range(processes)]
 
@@ -54,7 +55,12 @@ def enqueue_noops(direct: str, jobs: int) -> Engine:
 def test_workers_drain_through_pgbouncer_transaction_mode(bouncer: tuple[str, str]) -> None:
     through, direct = bouncer
     engine = enqueue_noops(direct, 600)
-    workers = start_workers(f"{through}?prepare_threshold=none", 3)
+    assert warm_server_connections(through, 4) == 4  # consecutive transactions go round the four servers
+    # Two plain workers, and a supervisor of two (started first: its children start cold) whose children
+    # must get the URL's setting too.
+    workers = [*start_workers(f"{through}?prepare_threshold=none", 1, "--processes", "2")]
+    wait_for(lambda: count(engine, app.Job, app.Job.state != "pending") >= 100, 60, "the supervised workers to start")
+    workers += start_workers(f"{through}?prepare_threshold=none", 2)
     logs = [w.communicate(timeout=240)[0] for w in workers]
     for worker, log in zip(workers, logs, strict=True):
         assert worker.returncode == 0, log

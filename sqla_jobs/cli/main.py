@@ -20,7 +20,6 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 
 from sqlalchemy.exc import DBAPIError
 
@@ -80,8 +79,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine = make_engine(sync_twin(args.url) if asynchronous else args.url, pool_size=config.pool_size)
     queue.check_schema(engine)
     engine.dispose()
-    child = spec if asynchronous else replace(spec, url=engine.url.render_as_string(hide_password=False))
-    return supervise(child, args.processes, queue, engine, args.name)
+    # The children get the URL as given, not the engine's: that one has lost what went into connect_args
+    # (?prepare_threshold=none, without which a child behind PgBouncer prepares statements).
+    return supervise(spec, args.processes, queue, engine, args.name)
 
 
 def worker_config(args: argparse.Namespace) -> WorkerConfig:
