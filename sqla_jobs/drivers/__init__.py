@@ -55,7 +55,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, Table, create_engine, text
 from sqlalchemy.engine import URL
-from sqlalchemy.exc import NoSuchModuleError
+from sqlalchemy.exc import DBAPIError, NoSuchModuleError
 from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
@@ -79,6 +79,7 @@ __all__ = [
     "attach_table_events",
     "batch_table",
     "column_type",
+    "connect_at",
     "driver_class",
     "driver_class_of",
     "driver_for",
@@ -235,3 +236,28 @@ def sync_engine_for(bind: Any) -> Engine:
         return create_engine(url)
     except (NoSuchModuleError, ImportError) as exc:
         raise ConfigError(f"the sync twin of {url.render_as_string()!r}: {exc}") from None
+
+
+def connect_at(engine: Engine, isolation: str) -> Connection:
+    """A connection out of ``engine``'s pool at ``isolation`` (put back when it returns to the pool).
+
+    SQLAlchemy sets a connection's isolation with the DBAPI driver's own calls and lets that driver's
+    error through as it is (a ``pymysql`` error, not a ``DBAPIError``): on a pooled connection the server
+    has meanwhile closed, the worker would take it for a bug rather than a lost connection. Here it is
+    raised as the ``DBAPIError`` any statement would raise, the connection invalidated.
+    """
+    conn = engine.connect()
+    try:
+        return conn.execution_options(isolation_level=isolation)
+    except engine.dialect.loaded_dbapi.Error as exc:
+        lost = engine.dialect.is_disconnect(exc, None, None)
+        try:
+            conn.invalidate()
+            conn.close()
+        except Exception:  # already broken: nothing left to give back
+            pass
+        raise DBAPIError.instance(None, None, exc, engine.dialect.loaded_dbapi.Error,
+                                  connection_invalidated=lost, dialect=engine.dialect) from exc
+    except BaseException:
+        conn.close()
+        raise

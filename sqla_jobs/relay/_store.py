@@ -28,6 +28,7 @@ from sqlalchemy import Connection, Engine
 from sqlalchemy.exc import DBAPIError
 
 from .._app import JobEvent, JobQueue
+from ..drivers import connect_at
 from ..drivers.base import Claimed, Driver, Fence
 from ..worker.outcomes import settle
 from ..worker.runs import Outcome
@@ -92,7 +93,7 @@ class RelayStore(Store):
     def _finish(self, fences: list[Fence], upstreams: list[int]) -> set[int]:
         """The worker's fenced finish (its statement, with nothing to claim) on the second connection."""
         if self._side is None:
-            self._side = self.engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+            self._side = connect_at(self.engine, "AUTOCOMMIT")
         try:
             kept, _, _ = self.driver.finish_and_claim(self._side, fences, 0, self.worker_name, "", self.lease,
                                                       self.queues, upstreams=upstreams)

@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError
 
 from .._app import JobEvent, JobQueue
 from .._limits import ensure_limits_table, limits_table
+from ..drivers import connect_at
 from ..drivers._limits import claim_limited, ensure_rows
 from ..drivers.base import Claimed, Driver, Fence
 from .executor import Outcome
@@ -136,7 +137,7 @@ class Store:
         if self._conn is None:
             # SQLAlchemy puts the connection's isolation back when it returns to the pool, so the app's
             # own checkouts never see this one.
-            self._conn = self.engine.connect().execution_options(isolation_level=isolation)
+            self._conn = connect_at(self.engine, isolation)
         conn = self._conn
         try:
             yield conn

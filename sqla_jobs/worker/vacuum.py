@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Engine
 
+from ..drivers import connect_at
+
 if TYPE_CHECKING:
     from .._app import JobQueue
 
@@ -70,7 +72,7 @@ class Vacuumer:
     def check(self) -> bool | None:
         """One look: vacuum if the count has reached the threshold. True: vacuumed; False: not needed
         now; None: never on this database (the backend has nothing to vacuum, or the role may not)."""
-        with self.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        with connect_at(self.engine, "AUTOCOMMIT") as conn:
             driver = self.queue.driver(conn)
             dead = driver.dead_rows(conn)
             if dead is None:
