@@ -191,7 +191,9 @@ class Fleet:
         self.start()
 
     def terminate(self, rng: random.Random) -> None:
-        worker = rng.choice(self.live)
+        # One that has started: a SIGTERM while the interpreter still imports kills it by the default action, before
+        # any code of ours can handle it (as for any Python program); the scenario is a graceful stop of a worker.
+        worker = rng.choice(wait_for(lambda: [w for w in self.live if w.started()], 60, "a started worker"))
         code = worker.stop(timeout=FAST["grace"] + 10)
         assert code == 0, f"SIGTERM: worker {worker.pid} exited {code}: {worker.log()[-2000:]}"
         self.live.remove(worker)

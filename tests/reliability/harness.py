@@ -100,6 +100,10 @@ class WorkerProc:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
+    def started(self) -> bool:
+        """Whether it has said it started (past its imports, its stop signals handled)."""
+        return re.search(r"worker \S+ started", self.log()) is not None
+
 
 def terminate_backends(engine: Engine, pid: int) -> int:
     """PostgreSQL: ``pg_terminate_backend`` on every connection worker process ``pid`` opened (found by the
