@@ -34,6 +34,8 @@ _NO_STREAM = "no stream"
 #: More than the relay's header block can take (``_wire_size``: the fixed names and lines, a job id, the
 #: kind and queue at their longest, 4 bytes a character): a body this far under max_payload needs no count.
 _HEADER_ROOM = 4096
+#: Seconds a batch may take to be written, beyond the confirm timeout, before the link counts as stalled.
+_SEND_GRACE = 5.0
 
 
 def _client() -> Any:
@@ -130,8 +132,13 @@ class NatsTarget:
         limit = nc.max_payload
         batch = _Batch()
         subjects: dict[str, str] = {}  # by kind, for this batch: a route costs a lookup and a format
-        try:
+
+        abandoned = False
+
+        async def send() -> None:
             for m in messages:
+                if abandoned:
+                    return
                 headers = {"Nats-Msg-Id": m.headers[HEADER_ID], **m.headers}
                 if len(m.body) + _HEADER_ROOM > limit and _wire_size(m.body, headers) > limit:
                     # nats-py checks the body only; the server closes the whole connection for a message
@@ -149,6 +156,19 @@ class NatsTarget:
                 except nats.errors.MaxPayloadError:
                     replies.forget_one(batch, reply)
                     outcome[m.job.id] = "the message is larger than the NATS server's max_payload"
+        # Bounded: nats-py's publish waits for its flusher when its buffer is full, and a peer that stops reading
+        # (a stalled link, not a reset one) would hold the batch, its jobs leased and renewed, for ever. Not
+        # asyncio.wait_for: that waits for the cancelled publish to end, and nats-py's flush swallows the cancel.
+        sending = asyncio.ensure_future(send())
+        written, _ = await asyncio.wait({sending}, timeout=timeout + _SEND_GRACE)
+        if not written:
+            abandoned = True
+            sending.cancel()
+            replies.forget(batch)
+            raise BrokerUnavailable(f"NATS publish stalled: the batch was not written within "
+                                    f"{timeout + _SEND_GRACE:g} s")
+        try:
+            sending.result()
         except nats.errors.Error as exc:  # closed, or cut while writing: nothing of the batch counts
             replies.forget(batch)
             raise BrokerUnavailable(f"NATS publish failed: {exc!r}") from exc

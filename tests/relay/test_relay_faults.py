@@ -148,7 +148,10 @@ def test_every_job_arrives_through_kills_and_cuts(
                 relay = relays(relay_pg.url, options)
                 if left or finished() >= JOBS:
                     break
-    wait_for(lambda: counts(relay_pg) == {"finished": JOBS, "dead": 0}, 180, "every job finished")
+    try:
+        wait_for(lambda: counts(relay_pg) == {"finished": JOBS, "dead": 0}, 180, "every job finished")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {counts(relay_pg)}; the last relay's log:\n{relay.log()[-4000:]}") from None
     recovery = time.time() - last_fault
     # The last relay may have been started after the work was done: let it get going, then stop it.
     wait_for(lambda: relay.log().count("queues relay ->") == kills + 1, 60, "the last relay to start")
@@ -220,4 +223,38 @@ def test_while_the_broker_is_down_jobs_wait_untouched_then_all_arrive(
     with Session(relay_pg.engine) as session:
         assert session.scalar(select(func.max(RelayJob.attempts))) == 1
     check_every_job_arrived(space, jobs)
+    proxy.close()
+
+
+@pytest.mark.parametrize("space", ["nats"], indirect=True)
+def test_a_link_to_nats_that_stops_reading_gives_the_batch_back_instead_of_holding_it(
+    relay_pg: Database, space: BrokerSpace, relays: Any
+) -> None:
+    """A link that goes silent without a reset (a stalled proxy, a peer that stops reading): once the socket
+    buffers are full, nats-py's publish waits for its flusher, which waits for the socket, for ever. The relay
+    must bound that wait, give the batch back (its jobs pending again, no attempt charged), and relay it once the
+    link flows again; held, the batch's jobs would stay claimed, their lease renewed, until the link came back."""
+    host, port = urlsplit(space.url).hostname, urlsplit(space.url).port
+    proxy = TcpProxy(host or "127.0.0.1", port or 0)
+    relay = relays(relay_pg.url, [*space.cli_options(ROUTES, through(proxy, space.url)), "--lease", "2",
+                                  "--confirm-timeout", "1", "--batch", "100"])
+    enqueue(relay_pg, 10)
+    wait_for(lambda: counts(relay_pg) == {"finished": 10, "dead": 0}, 60, "a first batch relayed")
+    proxy.stall()
+    # 100 messages of 400 kB each: 40 MB, more than the client's buffer and the kernel's socket buffers together.
+    big = "x" * 400_000
+    with Session(relay_pg.engine) as session, session.begin():
+        queue.enqueue_many(session, [{"kind": "order.created", "queue": "relay", "payload": {"n": i, "pad": big}}
+                                     for i in range(100)])
+    try:
+        wait_for(lambda: "NATS publish stalled" in relay.log() and counts(relay_pg).get("running", 0) == 0, 60,
+                 "the stalled batch to go back")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {counts(relay_pg)}; the relay's log:\n{relay.log()[-3000:]}") from None
+    assert counts(relay_pg) == {"finished": 10, "pending": 100, "dead": 0}
+    proxy.resume()
+    wait_for(lambda: counts(relay_pg) == {"finished": 110, "dead": 0}, 120, "every job relayed once the link flows")
+    assert relay.stop() == 0
+    with Session(relay_pg.engine) as session:
+        assert session.scalar(select(func.max(RelayJob.attempts))) == 1  # the stalled run was refunded
     proxy.close()

@@ -119,6 +119,11 @@ def test_every_scenario_on_every_configuration(scenario: str, target: Target, wo
                 for i in range(ONCE)]
     other_ids = poison + (_fuzzed(target.engine, rng) if scenario == "fuzz" else [])
     lease = LEASES.get(scenario, 10.0)
+    if scenario == "outage" and target.configuration == "sqlite":
+        # Right after the outage every thread of the three workers wants SQLite's one write lock at once; on a loaded
+        # 2-core box its unfair busy wait kept one worker from it for 2.5 s, past a 2 s lease: a lapse that is no
+        # fault of the outage's (the lease did its job and charged a rerun). The outage still outlasts the lease.
+        lease = 2 * FAST["lease"]
     proxy = None
     if scenario == "partition":  # the first worker reaches the database through a proxy that will go silent
         upstream = make_url(target.url)
