@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, Connection, Index, MetaData, String, Table, case, delete, select, update
+from sqlalchemy import Column, Connection, Index, MetaData, String, Table, case, delete, exists, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import Fence
@@ -208,6 +208,8 @@ class Durable:
         if not self.emit_row(conn, key, data):
             return None
         woken = self.wake_waiting(conn, key)
+        if woken:
+            self.answer_waiting(conn, key, data)
         # One NOTIFY per transaction is enough (PostgreSQL folds identical ones at commit anyway): an emit of
         # 10,000 events in one transaction is 10,000 round trips fewer.
         transaction = conn.get_transaction()
@@ -235,6 +237,16 @@ class Durable:
         waiting = select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
         return conn.execute(update(t).where(t.c.id.in_(waiting), t.c.state == "pending")
                             .values(run_at=case((t.c.run_at > now, now), else_=t.c.run_at))).rowcount
+
+    def answer_waiting(self, conn: Connection, key: str, data: Any) -> None:
+        """The parked waits for ``key`` end with ``data``, in the emit's transaction: each woken job's re-run finds
+        its wait passed in the steps it reads anyway, instead of reading the event and storing the step itself
+        (two round trips a job: most of the cost of resuming 10,000 waiters). Only the waits of jobs still parked
+        (pending): a job already running again (its timeout came) decides its wait itself."""
+        s, t = self.steps, self.jobs
+        parked = exists().where(t.c.id == s.c.job_id, t.c.state == "pending")
+        conn.execute(update(s).where(s.c.awaiting == key, s.c.finished_at.is_(None), parked)
+                     .values(value=data, finished_at=self.now()))
 
     def waiting_for(self, conn: Connection, key: str) -> list[int]:
         """The jobs parked waiting for ``key``, by id."""
