@@ -84,7 +84,8 @@ class Operations:
     def check_schema(self, conn: Connection) -> None:
         """Raise SchemaError naming what is missing, before a worker touches the tables."""
         inspector = inspect(conn)
-        for table in (self.jobs, self.dead, self.edges, batch_table(self.jobs), self.steps, self.events):
+        for table in (self.jobs, self.dead, self.edges, batch_table(self.jobs), self.steps, self.events,
+                      self.sequences):  # type: ignore[attr-defined]
             if not inspector.has_table(table.name, schema=table.schema):
                 raise SchemaError(
                     f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: create it "
@@ -135,6 +136,7 @@ class Operations:
                     "max_attempts": r.max_attempts,
                     "created_at": r.created_at,
                     "trace_context": r.trace_context,  # the request that enqueued it: its first run is its child
+                    "sequence_key": r.sequence_key,  # for people: its edges, not the key, keep its place
                     "state": "pending", "attempts": 0,
                     "last_error": truncate(f"{r.last_error}\n[{note}]"),
                     "errors": requeued_errors(r.errors),
