@@ -238,16 +238,16 @@ class Admin(DurableAdmin, Generic[J]):
         kind: str | None = None,
         state: str | None = None,
         queue: str | None = None,
-        unique_key: str | None = None,
+        unique_key: str | None = None, sequence_key: str | None = None,
         limit: int = 50,
     ) -> list[Any]:
-        """Jobs newest first, filtered by kind / state / queue name / unique key (its periods included)."""
+        """Jobs newest first, filtered by kind / state / queue name / unique key (its periods too) / sequence."""
         if state is not None and state not in STATES:
             raise ConfigError(f"unknown state {state!r}; choose from {', '.join(STATES)}")
         _not_async(session, "list_jobs")
         conn = session.connection()
         return self.driver(conn).list_jobs(conn, kind=kind, state=state, queue=queue, unique_key=unique_key,
-                                           limit=limit)
+                                           sequence_key=sequence_key, limit=limit)
 
     def list_dead(
         self, session: Session, *, kind: str | None = None, since: float | None = None, limit: int = 50

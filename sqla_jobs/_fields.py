@@ -12,8 +12,8 @@ from typing import Any
 
 from . import _payload
 from ._typed import as_payload
-from .drivers import MAX_SEQUENCE_KEY_LENGTH
 from ._unique import DEFAULT_UNIQUE_STATES, check_key, check_on_duplicate, check_states
+from .drivers import MAX_SEQUENCE_KEY_LENGTH
 from .errors import InvalidJob
 
 __all__ = [

@@ -51,8 +51,8 @@ from . import _payload
 from ._batch import BatchOf
 from ._fields import MAX_KIND_LENGTH, MAX_QUEUE_LENGTH, enqueue_checks, int_field, text_field, unique_fields, utc
 from ._graph import DependsOn, check_policy
-from ._sequence import enlist
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, PayloadType
+from ._sequence import enlist
 from ._typed import as_payload
 from ._unique import HELD_KEY_SQL, MAX_UNIQUE_KEY_LENGTH, StateSet, check_key, check_states
 from .drivers import (

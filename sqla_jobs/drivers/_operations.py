@@ -237,11 +237,13 @@ class Operations:
         state: str | None = None,
         queue: str | None = None,
         unique_key: str | None = None,
+        sequence_key: str | None = None,
         limit: int = 50,
     ) -> list[Any]:
         """Newest first; with ``state`` the query stays on that state's partial index where one exists.
 
-        ``unique_key`` matches the key itself and its periods (``key@<period start>``).
+        ``unique_key`` matches the key itself and its periods (``key@<period start>``); ``sequence_key``
+        reads ``ix_<jobs>_sequence`` (a sequence's jobs, newest first).
         """
         t = self.jobs
         stmt = select(t).order_by(t.c.id.desc()).limit(limit)
@@ -253,6 +255,8 @@ class Operations:
             stmt = stmt.where(t.c.queue == queue)
         if unique_key is not None:
             stmt = stmt.where(self.key_or_periods(unique_key))
+        if sequence_key is not None:
+            stmt = stmt.where(t.c.sequence_key == sequence_key)
         return list(conn.execute(stmt))
 
     def list_dead(
