@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, Connection, MetaData, String, Table, case, literal, select, update
+from sqlalchemy import Column, Connection, MetaData, String, Table, and_, case, literal, select, update
 
 from ._setup import beside
 
@@ -57,8 +57,12 @@ class Sequences:
     dead: Table
 
     if TYPE_CHECKING:  # Driver's own (declared here for the type checker only: Driver must win the MRO)
+        edges: Table
+
         def upsert(self, conn: Connection, table: Table, row: dict[str, Any],
                    update: Sequence[str] = ()) -> None: ...
+
+        def lock_upstreams(self, conn: Connection, ids: Sequence[int]) -> dict[int, tuple[str, str | None]]: ...
 
     @property
     def sequences(self) -> Table:
@@ -107,10 +111,39 @@ class Sequences:
     def predecessor(self, conn: Connection, job_id: int) -> Any:
         """The job a sequenced job waits for (or waited for): (``id``, ``state``, ``ended``), ``state`` as
         ``Graph.neighbours`` gives it (``'dead'``, or None once pruned or purged); None when it had none."""
-        e = self.edges  # type: ignore[attr-defined]
+        e = self.edges
         t, d = self.jobs, self.dead
         state = case((t.c.state.is_not(None), t.c.state), (d.c.id.is_not(None), literal("dead")))
         stmt = (select(e.c.upstream_id.label("id"), state.label("state"), e.c.ended)
                 .select_from(e.outerjoin(t, t.c.id == e.c.upstream_id).outerjoin(d, d.c.id == e.c.upstream_id))
                 .where(e.c.downstream_id == job_id, e.c.position == SEQUENCE_POSITION))
         return conn.execute(stmt).first()
+
+    def cancel(self, conn: Connection, job_id: int) -> tuple[bool, str | None]:
+        """``Operations.cancel``, after splicing the sequence: a job cancelled while it waits its turn would
+        release the job after it at once (a cancelled upstream counts as done), while the job before it may
+        still be running. So the one after it waits for the one before it instead (its edge re-pointed, and the
+        key's last job too if it was this one), under the locks an enqueue takes, in its order: the key's row,
+        then the job before. One indexed read for a job outside a sequence."""
+        e, t, s = self.edges, self.jobs, self.sequences
+        row = conn.execute(select(t.c.sequence_key, e.c.upstream_id)
+                           .join(e, and_(e.c.downstream_id == t.c.id, e.c.position == SEQUENCE_POSITION,
+                                         e.c.ended.is_(None)))
+                           .where(t.c.id == job_id, t.c.state == "blocked")).first()
+        if row is not None:
+            before = row.upstream_id
+            self.lock_tails(conn, [row.sequence_key])
+            states = self.lock_upstreams(conn, [before])
+            dead = before not in states and before in self.dead_tails(conn, [before])
+            if dead or states.get(before, ("finished",))[0] not in ("finished", "cancelled"):
+                after = select(e.c.downstream_id).where(e.c.upstream_id == job_id,
+                                                        e.c.position == SEQUENCE_POSITION, e.c.ended.is_(None))
+                # A successor that skips dead jobs does not wait for a dead one ('run': counted as done).
+                holding = select(t.c.id).where(t.c.id.in_(after), t.c.on_upstream_failure != "run") if dead else after
+                ids = list(conn.scalars(holding))
+                if ids:
+                    conn.execute(update(e).where(e.c.downstream_id.in_(ids), e.c.position == SEQUENCE_POSITION)
+                                 .values(upstream_id=before))
+                conn.execute(update(s).where(s.c.key == row.sequence_key, s.c.last_id == job_id)
+                             .values(last_id=before))
+        return super().cancel(conn, job_id)  # type: ignore[misc,no-any-return]

@@ -72,7 +72,8 @@ __all__ = [
 _SEQUENCED = ("sequence_key", "state", "waiting_for", "on_upstream_failure")
 
 
-class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durable, Sequences):
+# Sequences before Operations: its ``cancel`` splices a sequence, then runs the plain one.
+class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durable):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
