@@ -192,7 +192,7 @@ class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Bat
         Tables made by an older sqla-jobs get the indexes added since; their
         columns are left alone (that takes a migration).
         """
-        for table in (self.jobs, self.dead, self.edges, self.batches, self.steps, self.events):
+        for table in (self.jobs, self.dead, self.edges, self.batches, self.steps, self.events, self.sequences):
             table.create(conn, checkfirst=True)
             for index in self.creatable_indexes(conn, table):
                 conn.execute(CreateIndex(index, if_not_exists=True))
