@@ -25,6 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession
 from sqlalchemy.orm import Session
 
 from sqla_jobs import InvalidJob
@@ -32,6 +33,7 @@ from sqla_jobs.cli.main import main
 from tests import app, forkserver
 from tests.conftest import ROOT, Database, make_database
 from tests.helpers import run_burst
+from tests.test_asyncio import run as run_async
 
 LAYOUTS = ("sqlite", "postgresql", "postgresql-partitioned", "mariadb")
 
@@ -356,3 +358,21 @@ def test_what_a_sequenced_job_cannot_have_yet(sdb: Database) -> None:
         app.queue.enqueue_many(session, [{"kind": "seq", "sequence_key": "k", "unique_key": "u"}])
     with Session(sdb.engine) as session:
         assert session.scalar(select(app.Job.id)) is None
+
+
+def test_an_async_session_enqueues_into_sequences_too(sdb: Database, tmp_path: Path) -> None:
+    """``AsyncSession.add`` and ``queue.aio.enqueue_many``: the same flush, the same chain."""
+    log = tmp_path / "runs.log"
+
+    async def enqueue(engine: AsyncEngine) -> None:
+        async with AsyncSession(engine) as session, session.begin():
+            session.add(seq_job(log, "k", 0))
+            await app.queue.aio.enqueue_many(session, [seq_item(log, "k", 1)])
+        async with AsyncSession(engine) as session, session.begin():
+            session.add(seq_job(log, "k", 2))
+
+    run_async(sdb, enqueue)
+    with Session(sdb.engine) as session:
+        assert list(session.scalars(select(app.Job.state).order_by(app.Job.id))) == ["pending", "blocked", "blocked"]
+    run_burst(sdb.engine, concurrency=4)
+    assert [r.n for r in runs(log)] == [0, 1, 2]
