@@ -206,7 +206,7 @@ _STEP = st.tuples(
 )
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(program=st.lists(_STEP, min_size=1, max_size=6))
 def test_each_key_runs_in_commit_order_whatever_the_interleaving(program: list[Any], sdb: Database,
                                                                  tmp_path: Path) -> None:
