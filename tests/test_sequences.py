@@ -376,3 +376,21 @@ def test_an_async_session_enqueues_into_sequences_too(sdb: Database, tmp_path: P
         assert list(session.scalars(select(app.Job.state).order_by(app.Job.id))) == ["pending", "blocked", "blocked"]
     run_burst(sdb.engine, concurrency=4)
     assert [r.n for r in runs(log)] == [0, 1, 2]
+
+
+def test_a_job_enqueued_after_a_dead_last_job_holds_or_skips_as_it_says(sdb: Database, tmp_path: Path) -> None:
+    log, flag = tmp_path / "runs.log", tmp_path / "fail"
+    flag.touch()
+    with Session(sdb.engine, expire_on_commit=False) as session, session.begin():
+        dead = [seq_job(log, key, 0, payload={"fail_while": str(flag)}, max_attempts=1) for key in ("h", "s")]
+        session.add_all(dead)
+    run_burst(sdb.engine)
+    flag.unlink()
+    with Session(sdb.engine, expire_on_commit=False) as session, session.begin():
+        held, skipping = seq_job(log, "h", 1), seq_job(log, "s", 1, on_upstream_failure="run")
+        session.add_all([held, skipping])
+    assert states(sdb.engine, held, skipping) == ["blocked", "pending"]
+    with Session(sdb.engine) as session, session.begin():
+        app.queue.requeue_dead(session, ids=[dead[0].id])
+    run_burst(sdb.engine, concurrency=4)
+    assert [r.job_id for r in by_key(runs(log))["h"]] == [dead[0].id, held.id]
