@@ -18,6 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from html import unescape
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from sqla_jobs import InvalidJob
 from sqla_jobs.cli.main import main
 from tests import app, forkserver
 from tests.conftest import ROOT, Database, make_database
+from tests.dashboard_helpers import client
 from tests.helpers import run_burst
 from tests.test_asyncio import run as run_async
 
@@ -285,6 +287,10 @@ def test_hold_keeps_the_sequence_until_the_dead_job_is_requeued_and_finishes(
     assert "sequence" in _show(sdb, capsys, "jobs", "list", "--sequence-key", "k")  # the column
     listed = json.loads(_show(sdb, capsys, "jobs", "list", "--sequence-key", "k", "--json"))
     assert [(r["id"], r["sequence_key"]) for r in listed] == [(third.id, "k"), (second.id, "k")]
+    web = client(sdb)  # the dashboard: the jobs page's filter and column, the job page's line
+    page = web.get("/jobs", params={"sequence_key": "k"}).text
+    assert f'/jobs/{third.id}"' in page and f'/jobs/{other.id}"' not in page and "?sequence_key=k" in page
+    assert f"waits for job {first.id} (dead) to end" in unescape(web.get(f"/jobs/{second.id}").text)
     run_burst(sdb.engine)  # nothing moves while the dead job is dead
     assert states(sdb.engine, second, third) == ["blocked", "blocked"]
 
