@@ -116,7 +116,7 @@ class Chain:
         driver.set_tails(conn, last)
         driver.mark_sequenced(conn, marked)
         if edges:
-            driver.add_edges(conn, edges)
+            driver.add_sequence_edges(conn, edges)
 
 
 def insert_sequenced(conn: Connection, driver: Driver, rows: list[dict[str, Any]]) -> list[int]:
