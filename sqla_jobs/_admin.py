@@ -1,12 +1,10 @@
 """The app's operations half: enqueue, inspect, cancel, retry, requeue, purge, prune, stats, tables.
 
-``JobQueue`` (``sqla_jobs._app``) is the registry of ``sqla_jobs._registry``
-plus these methods. Each one checks its arguments, asks the app's driver
-(``sqla_jobs.drivers``: every SQL statement lives there) to do the work on
-the caller's connection, and turns the driver's answer into a result or a
-clear error. Methods taking a ``Session`` run in the caller's transaction:
-nothing is committed here, except by ``prune`` and ``create_tables``, which
-take an ``Engine`` and commit their own transactions.
+``JobQueue`` (``sqla_jobs._app``) is the registry of ``sqla_jobs._registry`` plus these
+methods. Each one checks its arguments, asks the app's driver (``sqla_jobs.drivers``:
+every SQL statement lives there) to do the work on the caller's connection, and turns
+the driver's answer into a result or a clear error. Methods taking a ``Session`` run in
+the caller's transaction (``prune`` and ``create_tables`` take an ``Engine``, and commit).
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from ._batch import Batch, add_members
 from ._durable_admin import DurableAdmin
 from ._fields import check_row
 from ._models import STATES, JobMixin
+from ._sequence import insert_sequenced
 from ._stats import QueueStats, collect
 from ._typed import as_payload
 from ._unique import PERIOD_UNIQUE_STATES, Enqueued, check_key, check_on_duplicate, insert_or_update, period_key
@@ -163,8 +162,8 @@ class Admin(DurableAdmin, Generic[J]):
         """Insert many jobs fast, in ``session``'s transaction; returns how many.
 
         Each item is a mapping with ``kind`` and optionally ``payload``, ``queue``, ``priority``,
-        ``max_attempts``, ``run_at``, ``unique_key``, ``unique_states`` and ``on_duplicate``, checked exactly
-        like ``Job(...)`` (``check_job`` included): one bad item fails the call before anything is written.
+        ``max_attempts``, ``run_at``, ``unique_key``, ``unique_states``, ``on_duplicate``, ``sequence_key`` and
+        ``on_upstream_failure``, checked like ``Job(...)`` (``check_job`` too): one bad item fails the call first.
         PostgreSQL loads them with COPY. No ORM objects are made, so ids are not returned; use
         ``session.add_all`` when you need them. Items with a ``unique_key`` are inserted one by one like
         ``enqueue_unique``, after the items without one: one whose key is held (by an existing job or an
@@ -178,12 +177,13 @@ class Admin(DurableAdmin, Generic[J]):
         driver = self.driver(conn)
         if batch is not None:
             return add_members(session, driver, self.job_model.__table__, batch, rows)  # type: ignore[attr-defined]
-        plain = [row for row in rows if row["unique_key"] is None]
+        plain = [row for row in rows if row["unique_key"] is None and "sequence_key" not in row]
         if plain:
             driver.insert_many(conn, plain)
+        sequenced = insert_sequenced(conn, driver, [row for row in rows if "sequence_key" in row])
         keyed = sum(insert_or_update(driver, conn, row, row.get("on_duplicate", "keep"))[0] is not None
                     for row in rows if row["unique_key"] is not None)
-        return len(plain) + keyed
+        return len(plain) + len(sequenced) + keyed
 
     def enqueue_periodic(self, engine: Engine, *, now: datetime | None = None) -> list[J]:
         """Enqueue every schedule's due slot now (what each worker does on its own); returns the jobs inserted.
@@ -238,16 +238,16 @@ class Admin(DurableAdmin, Generic[J]):
         kind: str | None = None,
         state: str | None = None,
         queue: str | None = None,
-        unique_key: str | None = None,
+        unique_key: str | None = None, sequence_key: str | None = None,
         limit: int = 50,
     ) -> list[Any]:
-        """Jobs newest first, filtered by kind / state / queue name / unique key (its periods included)."""
+        """Jobs newest first, filtered by kind / state / queue name / unique key (its periods too) / sequence."""
         if state is not None and state not in STATES:
             raise ConfigError(f"unknown state {state!r}; choose from {', '.join(STATES)}")
         _not_async(session, "list_jobs")
         conn = session.connection()
         return self.driver(conn).list_jobs(conn, kind=kind, state=state, queue=queue, unique_key=unique_key,
-                                           limit=limit)
+                                           sequence_key=sequence_key, limit=limit)
 
     def list_dead(
         self, session: Session, *, kind: str | None = None, since: float | None = None, limit: int = 50

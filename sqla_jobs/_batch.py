@@ -279,6 +279,9 @@ def add_members(session: Session, driver: Driver, jobs: Table, batch: Batch | in
     link them; returns how many. Rows with a ``unique_key`` whose key is held are skipped, as there."""
     conn = session.connection()
     items = list(rows)
+    if any("sequence_key" in r for r in items):
+        raise InvalidJob("enqueue_many(..., batch=) takes no sequence_key yet: add sequenced members with "
+                         "session.add(Job(..., batch=batch, sequence_key=...))")
     if any(r.get("on_duplicate", "keep") != "keep" for r in items):
         raise InvalidJob("a batch's members are new jobs: on_duplicate 'replace' or 'debounce' would change a job "
                          "that is not in the batch; leave it out (a held key skips the item)")

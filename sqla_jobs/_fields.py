@@ -13,15 +13,18 @@ from typing import Any
 from . import _payload
 from ._typed import as_payload
 from ._unique import DEFAULT_UNIQUE_STATES, check_key, check_on_duplicate, check_states
+from .drivers import MAX_SEQUENCE_KEY_LENGTH
 from .errors import InvalidJob
 
 __all__ = [
-    "MAX_KIND_LENGTH", "MAX_QUEUE_LENGTH", "add_enqueue_check", "check_row", "enqueue_checks", "int_field",
-    "text_field", "unique_fields", "utc",
+    "MAX_KIND_LENGTH", "MAX_QUEUE_LENGTH", "MAX_SEQUENCE_KEY_LENGTH", "add_enqueue_check", "check_row",
+    "check_sequence_key", "enqueue_checks", "int_field", "sequence_fields", "text_field", "unique_fields", "utc",
 ]
 
 MAX_KIND_LENGTH = 255
 MAX_QUEUE_LENGTH = 64
+#: What a sequenced job may do when the job before it fails (``sqla_jobs._sequence``); None is the first.
+SEQUENCE_POLICIES = ("hold", "run")
 _INT_MIN, _INT_MAX = -(2**31), 2**31 - 1  # the range of the INTEGER columns on every backend
 
 
@@ -59,11 +62,37 @@ def check_row(model: type[Any], row: Mapping[str, Any]) -> dict[str, Any]:
             raise InvalidJob("on_duplicate was given without a unique_key: it says what a held key does; "
                              "set unique_key too, or drop it")
         checked["on_duplicate"] = check_on_duplicate(row["on_duplicate"], checked["run_at"])
+    checked.update(sequence_fields(row.get("sequence_key"), row.get("on_upstream_failure"), checked["unique_key"]))
     return checked
 
 
 _ROW_FIELDS = {"kind", "queue", "payload", "priority", "max_attempts", "run_at", "unique_key", "unique_states",
-               "on_duplicate"}
+               "on_duplicate", "sequence_key", "on_upstream_failure"}
+
+
+def check_sequence_key(value: Any) -> str | None:
+    return None if value is None else text_field("sequence_key", value, MAX_SEQUENCE_KEY_LENGTH)
+
+
+def sequence_fields(key: Any, policy: Any, unique_key: str | None, depends_on: Any = ()) -> dict[str, Any]:
+    """A sequenced job's fields checked together (``sqla_jobs._sequence``): the key, and what it does when the job
+    before it is dead-lettered, ``hold`` (None) or ``run``; none of them when ``key`` is None."""
+    key = check_sequence_key(key)
+    if key is None:
+        if policy is not None and not depends_on:
+            raise InvalidJob("on_upstream_failure was given without a sequence_key (or depends_on): it says what a "
+                             "job does when the job it waits for fails; set sequence_key, or drop it")
+        return {}
+    if policy not in (None, *SEQUENCE_POLICIES):
+        raise InvalidJob(f"a job with a sequence_key takes on_upstream_failure 'hold' (None: the default: wait for "
+                         f"a dead-lettered predecessor) or 'run' (skip it), got {policy!r}")
+    if unique_key is not None:
+        raise InvalidJob("a job with a sequence_key cannot have a unique_key yet (a job waiting its turn would not "
+                         "hold its key); give the key to a job outside the sequence")
+    if depends_on:
+        raise InvalidJob("a job with a sequence_key cannot have depends_on yet: its place in the sequence is its "
+                         "one dependency")
+    return {"sequence_key": key, "on_upstream_failure": policy or "hold"}
 
 
 def unique_fields(key: Any, states: Any) -> dict[str, Any]:

@@ -23,6 +23,8 @@ its ``on_upstream_failure`` says:
 ``"run"``                   the upstream counts as done; its result reads as None
 ``"wait"``                  it stays blocked: requeueing the dead upstream resumes the graph
                             (a cancelled upstream, or a dead one purged, cancels it)
+``"hold"``                  as ``wait`` while the upstream is dead, but a cancelled or purged
+                            upstream counts as done (a sequence's default: ``sqla_jobs._sequence``)
 
 Checked at flush, in the caller's transaction, so a bad graph fails before
 anything is written: a job that depends on itself or on a cycle of new jobs,
@@ -201,7 +203,7 @@ def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
             if policy == ERRBACK:
                 raise InvalidJob(f"a new job depends on a batch's on_failure callback ({upstream!r}), which is "
                                  "skipped when no member fails; depend on the batch's on_complete callback instead")
-            if state == "cancelled" and job.on_upstream_failure != "run":
+            if state == "cancelled" and job.on_upstream_failure not in ("run", "hold"):
                 raise InvalidJob(f"a new job depends on job {_id_of(upstream)}, which was cancelled and will never "
                                  "finish (give the dependent on_upstream_failure='run' to run it anyway)")
             if state not in ("finished", "cancelled"):

@@ -1,11 +1,6 @@
 """The job tables, as mixins for your own declarative models.
 
-Add two classes to your application's metadata::
-
-    from sqlalchemy.orm import DeclarativeBase
-    from sqla_jobs import JobMixin, DeadJobMixin
-
-    class Base(DeclarativeBase): ...
+Add two classes to your application's metadata (``Base``: your ``DeclarativeBase``)::
 
     class Job(JobMixin, Base):
         __tablename__ = "jobs"
@@ -14,17 +9,14 @@ Add two classes to your application's metadata::
         __tablename__ = "dead_jobs"
 
 ``Base.metadata.create_all(engine)`` (or your alembic migrations) creates them.
-Enqueue a job by adding a row in the same transaction as your business rows::
-
-    with Session(engine) as session, session.begin():
-        session.add(Order(...))
-        session.add(Job(kind="send_email", payload={"to": "a@example.com"}))
-
-Committed means it will run; rolled back means it never existed.
+Enqueue a job by adding a row in the same transaction as your business rows
+(``session.add(Job(kind="send_email", payload={...}))``): committed means it
+will run; rolled back means it never existed.
 
 A job moves through explicit states (the ``state`` column):
 
-``blocked``   waiting for the jobs it ``depends_on`` (``waiting_for`` of them) to end (``sqla_jobs._graph``)
+``blocked``   waiting for the jobs it ``depends_on`` (``waiting_for`` of them) to end (``sqla_jobs._graph``),
+              or for its turn in its sequence (``sqla_jobs._sequence``)
 ``pending``   waiting for ``run_at``; ``attempts`` says how many runs it has had
 ``running``   claimed by a worker, whose lease ends at ``lease_expires_at``
 ``finished``  done; ``finished_at - locked_at`` is how long the last run took
@@ -34,12 +26,7 @@ A job that fails ``max_attempts`` times leaves this table for the dead-letter
 table (``DeadJobMixin``), from which a person can requeue it.
 
 Fields are checked when set and again at flush, so a bad job fails before your
-business transaction commits: ``kind`` must be a non-empty string,
-``payload`` a JSON object that both backends store and give back as sent
-(see ``sqla_jobs._payload`` and docs/howto/enqueue.md: no NaN or infinities,
-no ``\\u0000`` or lone surrogates, string keys, no tuples, 64-bit ints, at most
-``MAX_PAYLOAD_DEPTH`` levels and ``MAX_PAYLOAD_BYTES`` once encoded), and
-``max_attempts`` at least 1.
+business transaction commits (``payload``: see ``sqla_jobs._payload`` and docs/howto/enqueue.md).
 
 If you need ``__table_args__`` of your own (a schema, extra indexes), build
 them with ``JobMixin.table_args(...)`` so sqla-jobs' own indexes stay::
@@ -65,9 +52,11 @@ from ._batch import BatchOf
 from ._fields import MAX_KIND_LENGTH, MAX_QUEUE_LENGTH, enqueue_checks, int_field, text_field, unique_fields, utc
 from ._graph import DependsOn, check_policy
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, PayloadType
+from ._sequence import enlist
 from ._typed import as_payload
 from ._unique import HELD_KEY_SQL, MAX_UNIQUE_KEY_LENGTH, StateSet, check_key, check_states
 from .drivers import (
+    MAX_SEQUENCE_KEY_LENGTH,
     DatabaseNow,
     GeneratedColumn,
     attach_table_events,
@@ -136,6 +125,8 @@ class _Common:
     unique_key: Mapped[str | None] = mapped_column(String(MAX_UNIQUE_KEY_LENGTH), server_default=_NULL)
     #: The W3C trace context of the span current at enqueue, with tracing on (``sqla_jobs.otel``).
     trace_context: Mapped[dict[str, str] | None] = mapped_column(_JSON_OR_NULL, server_default=_NULL)
+    #: Jobs with the same key run one at a time, in enqueue order (``sqla_jobs._sequence``).
+    sequence_key: Mapped[str | None] = mapped_column(String(MAX_SEQUENCE_KEY_LENGTH), server_default=_NULL)
 
     def __init__(self, **fields: Any) -> None:
         """``Job(kind=..., payload=...)``: what SQLAlchemy's declarative constructor does, for less.
@@ -264,6 +255,10 @@ class JobMixin(_Common):
     def _check_on_upstream_failure(self, key: str, value: Any) -> str | None:
         return check_policy(value)
 
+    @validates("sequence_key")
+    def _check_sequence_key(self, key: str, value: Any) -> str | None:
+        return enlist(self, value)
+
     @validates("unique_states")
     def _check_unique_states(self, key: str, value: Any) -> tuple[str, ...] | None:
         return None if value is None else check_states(value)
@@ -317,6 +312,10 @@ class JobMixin(_Common):
             Index(f"ix_{name}_cancelled", "id", **partial_where("state = 'cancelled'")).ddl_if(dialect=_PARTIAL),
             # Jobs waiting for their upstreams (sqla_jobs._graph): counted by `stats`, listed by `state=blocked`.
             Index(f"ix_{name}_blocked", "id", **partial_where("state = 'blocked'")).ddl_if(dialect=_PARTIAL),
+            # A sequence's jobs in order (`jobs list --sequence-key`); only the rows that have a key.
+            Index(f"ix_{name}_sequence", "sequence_key", "id",
+                  **partial_where("sequence_key IS NOT NULL")).ddl_if(dialect=_PARTIAL),
+            Index(f"ix_{name}_sequence", "sequence_key", "id").ddl_if(dialect=_NO_PARTIAL),
             # Run-time figures and pruning of old finished jobs (NULLs are few and cheap without a WHERE).
             Index(f"ix_{name}_finished", "finished_at", **partial_where("finished_at IS NOT NULL")),
         ]
@@ -395,4 +394,4 @@ def _add_notify_trigger(mapper: Mapper[Any], cls: type[JobMixin]) -> None:
     by polling, only later.
     """
     attach_table_events(cls.__table__)  # type: ignore[attr-defined]
-    side_tables(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_deps, _batches, _steps, _events: same metadata
+    side_tables(cls.__table__)  # type: ignore[attr-defined]  # <jobs>_deps, _batches, ...: same metadata

@@ -18,13 +18,15 @@ from sqlalchemy import Connection
 
 from .drivers import Driver
 
-__all__ = ["POLICIES", "Neighbour", "Neighbourhood", "neighbourhood", "policy_text"]
+__all__ = ["POLICIES", "Neighbour", "Neighbourhood", "SequencePlace", "neighbourhood", "policy_text", "sequence_place"]
 
 #: What a blocked job does when an upstream is dead-lettered, cancelled or purged (``on_upstream_failure``).
 POLICIES = {
     "cancel": "this job is cancelled, and so are its own dependents",
     "run": "this job runs anyway, that upstream counted as done (its result reads as None)",
     "wait": "this job waits for a dead-lettered upstream to be requeued (a cancelled or purged one cancels it)",
+    "hold": "this job waits for a dead-lettered upstream to be requeued and finish (a cancelled or purged one "
+            "counts as done)",
 }
 _FAILED = {"dead": "was dead-lettered", "cancelled": "was cancelled", "purged": "was purged from the dead letters"}
 
@@ -99,3 +101,42 @@ def neighbourhood(driver: Driver, conn: Connection, job_id: int, limit: int | No
         return [Neighbour(r.id, r.kind, r.state, r.ended, upstream) for r in rows]
 
     return Neighbourhood(side(True, upstream_total), side(False, dependent_total), upstream_total, dependent_total)
+
+
+@dataclass(frozen=True)
+class SequencePlace:
+    """A job's place in its sequence (``sqla_jobs._sequence``): its key, and the job before it that it waited for
+    (``after``; None: none was unfinished when it was enqueued), that job's state as a ``Neighbour``'s, and
+    whether it waits for it now."""
+
+    key: str
+    after: int | None
+    after_state: str | None
+    waiting: bool
+
+    def text(self) -> str:
+        head = f"sequence {self.key!r}: "
+        if self.after is None:
+            return head + "first in line (no earlier job of the sequence was unfinished when it was enqueued)"
+        state = self.after_state or "gone"
+        if not self.waiting:
+            return head + f"came after job {self.after} ({state})"
+        text = head + f"waits for job {self.after} ({state}) to end"
+        if self.after_state == "dead":
+            text += (f"; that job is dead-lettered: requeue it (`sqla-jobs dead retry {self.after}`) to go on in "
+                     "order, or purge it to let this one run")
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": self.key, "after": self.after, "after_state": self.after_state, "waiting": self.waiting}
+
+
+def sequence_place(driver: Driver, conn: Connection, job_id: int, key: str | None,
+                   state: str) -> SequencePlace | None:
+    """Job ``job_id``'s place in sequence ``key`` (None without a key), from its sequence edge."""
+    if key is None:
+        return None
+    row = driver.predecessor(conn, job_id)
+    if row is None:
+        return SequencePlace(key, None, None, False)
+    return SequencePlace(key, int(row.id), row.state, state == "blocked" and row.ended is None)

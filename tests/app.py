@@ -510,3 +510,18 @@ async def async_poison_span(payload: dict[str, Any]) -> None:
     await asyncio.sleep(payload.get("after", 0))
     _span_line(payload["spans"], "died", job.id, job.attempt, os.getpid(), time.time())
     os._exit(1)
+
+
+@queue.handler("seq")
+def seq(payload: dict[str, Any]) -> None:
+    """A job of a sequence (tests/test_sequences.py): logs its run's wall-clock start and end with its key and
+    place; fails while the file ``fail_while`` exists (a job to dead-letter, then requeue), and its first
+    ``fail_attempts`` attempts (a job that retries)."""
+    started = time.time()
+    if payload.get("sleep"):
+        time.sleep(payload["sleep"])
+    if payload.get("fail_while") and os.path.exists(payload["fail_while"]):
+        raise RuntimeError("told to fail")
+    if current_job().attempt <= payload.get("fail_attempts", 0):
+        raise RuntimeError(f"attempt {current_job().attempt} told to fail")
+    log_run(payload["log"], started, payload["key"], str(payload["n"]))

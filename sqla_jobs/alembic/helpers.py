@@ -23,9 +23,7 @@ from alembic.util import CommandError
 from sqlalchemy import Connection, MetaData, inspect, make_url
 from sqlalchemy.dialects import postgresql
 
-from ..drivers import driver_class_of, edge_table, migration_guard, migration_imports, normalise_url, registered
-from ..drivers._batches import batch_table
-from ..drivers._durable import event_table, step_table
+from ..drivers import driver_class_of, migration_guard, migration_imports, normalise_url, registered, side_tables
 from ..drivers.base import Driver, index_dialects
 from ..errors import ConfigError
 from .compare import (
@@ -116,8 +114,8 @@ class Rendered:
 def _job_metadata(queue: JobQueue[Any, Any], partitioned: bool = False) -> MetaData:
     """Copies of the app's tables: jobs (not when ``partitioned``: its own code makes it), dead letters, companions."""
     metadata = MetaData()
-    for companion in (edge_table, batch_table, step_table, event_table):
-        companion(queue.job_model.__table__).to_metadata(metadata)  # type: ignore[attr-defined]
+    for companion in side_tables(queue.job_model.__table__):  # type: ignore[attr-defined]
+        companion.to_metadata(metadata)
     for model in (queue.dead_model,) if partitioned else (queue.job_model, queue.dead_model):
         original = model.__table__  # type: ignore[attr-defined]
         copy = original.to_metadata(metadata)

@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from .._app import JobQueue
 from .._bootstrap import load_app, make_engine
 from .._durations import format_duration, parse_duration
-from .._neighbourhood import Neighbour, Neighbourhood, neighbourhood, policy_text
+from .._neighbourhood import Neighbour, Neighbourhood, SequencePlace, neighbourhood, policy_text, sequence_place
 from .._stats import stats_tables
 from ..errors import ConfigError, ConnectionProblem, NotFound, SchemaError
 from .durable import print_steps, steps_json
@@ -173,7 +173,8 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
     _check_kind(queue, engine, args.kind, dead=False)
     with Session(engine) as session:
         rows = queue.list_jobs(session, kind=args.kind, state=args.state, queue=args.queue,
-                               unique_key=args.unique_key, limit=args.limit + 1)
+                               unique_key=args.unique_key, sequence_key=args.sequence_key,
+                               limit=args.limit + 1)
     rows, more = rows[: args.limit], len(rows) > args.limit
     if args.json:
         _print_json([_row_dict(r) for r in rows])
@@ -189,10 +190,13 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
         return 0
     # The progress column only when a listed job has one: most kinds never set it, and the table stays narrow.
     progress = any(r.progress is not None for r in rows)
+    sequenced = any(r.sequence_key is not None for r in rows)  # likewise the sequence column (sqla_jobs._sequence)
     print_table(
         f"{len(rows)} job(s), newest first{_cut(more, args.limit, '--state, --kind or --queue')}",
-        ["id", "kind", "queue", "state", "attempts", "run at", *(["progress"] if progress else []), "last error"],
-        [[str(r.id), r.kind, r.queue, r.state, f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
+        ["id", "kind", "queue", "state", *(["sequence"] if sequenced else []), "attempts", "run at",
+         *(["progress"] if progress else []), "last error"],
+        [[str(r.id), r.kind, r.queue, r.state, *([r.sequence_key or ""] if sequenced else []),
+          f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
           *([_short_json(r.progress)] if progress else []), _first_line(r.last_error, 60)] for r in rows],
     )
     return 0
@@ -208,13 +212,13 @@ def _neighbours(queue: JobQueue[Any, Any], session: Session, job_id: int, as_jso
 
 
 def _show(row: Any, state: str, as_json: bool, hood: Neighbourhood, steps: list[Any],
-          batch: Any = None) -> None:
+          batch: Any = None, place: SequencePlace | None = None) -> None:
     data = _row_dict(row)
     data.setdefault("state", state)
     if as_json:
         _print_json({**data, "upstreams": [n.to_dict() for n in hood.upstreams],
                      "dependents": [n.to_dict() for n in hood.dependents], "batch": batch and batch.id,
-                     "steps": steps_json(steps)})
+                     "steps": steps_json(steps), "sequence": place and place.to_dict()})
         return
     errors = data.pop("errors", None) or []
     payload = data.pop("payload", None)
@@ -236,6 +240,8 @@ def _show(row: Any, state: str, as_json: bool, hood: Neighbourhood, steps: list[
     if batch is not None:  # a member's or a callback's (sqla_jobs._batch)
         label = f" ({batch.label})" if batch.label else ""
         print(f"batch {batch.id}{label}: `sqla-jobs batches show {batch.id}` for its counts")
+    if place is not None:
+        print(place.text())
     if hood:
         _show_graph(data, state, hood)
 
@@ -279,7 +285,8 @@ def cmd_jobs_show(args: argparse.Namespace) -> int:
         steps = queue.job_steps(session, args.id)
         conn = session.connection()
         batch = queue.driver(conn).batch_of(conn, args.id) if hood else None
-    _show(row, getattr(row, "state", "dead"), args.json, hood, steps, batch)
+        place = sequence_place(queue.driver(conn), conn, args.id, row.sequence_key, getattr(row, "state", "dead"))
+    _show(row, getattr(row, "state", "dead"), args.json, hood, steps, batch, place)
     return 0
 
 

@@ -294,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--queue", help="only jobs in this queue")
     p.add_argument("--unique-key", metavar="KEY",
                    help="only jobs with this unique key (and its periods, KEY@...; a schedule's slots: periodic:NAME)")
+    p.add_argument("--sequence-key", metavar="KEY", help="only the jobs of this sequence (newest first)")
     p.add_argument("--limit", type=positive(int), default=50, help="show at most this many")
     json_flag(p, "an array of jobs")
     p.set_defaults(func=cmd_jobs_list)

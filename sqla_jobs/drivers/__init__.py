@@ -62,6 +62,7 @@ from ..errors import ConfigError
 from ._batches import CALLBACK_POLICIES, ERRBACK, batch_table
 from ._durable import event_table, step_table
 from ._graph import FAILURE_POLICIES, edge_table
+from ._sequences import MAX_SEQUENCE_KEY_LENGTH, SEQUENCE_POSITION, sequence_table
 from ._setup import GeneratedColumn
 from .base import DatabaseNow, Driver
 from .mysql import JSONText, MySQLDriver
@@ -72,6 +73,8 @@ __all__ = [
     "CALLBACK_POLICIES",
     "ERRBACK",
     "FAILURE_POLICIES",
+    "MAX_SEQUENCE_KEY_LENGTH",
+    "SEQUENCE_POSITION",
     "DatabaseNow",
     "Driver",
     "GeneratedColumn",
@@ -92,6 +95,7 @@ __all__ = [
     "partial_where",
     "register",
     "registered",
+    "sequence_table",
     "side_tables",
     "step_table",
     "stored_generated_dialects",
@@ -155,8 +159,8 @@ def normalise_url(url: URL) -> URL:
 
 def side_tables(jobs: Table) -> tuple[Table, ...]:
     """The tables beside a jobs table, made in its metadata (the same Tables after): ``<jobs>_deps`` (job
-    graphs), ``<jobs>_batches``, ``<jobs>_steps`` and ``<jobs>_events`` (durable jobs)."""
-    return edge_table(jobs), batch_table(jobs), step_table(jobs), event_table(jobs)
+    graphs), ``<jobs>_batches``, ``<jobs>_steps`` and ``<jobs>_events`` (durable jobs), ``<jobs>_sequences``."""
+    return edge_table(jobs), batch_table(jobs), step_table(jobs), event_table(jobs), sequence_table(jobs)
 
 
 def attach_table_events(table: Table) -> None:

@@ -127,15 +127,18 @@ class Batches:
                      .values(waiting_for=t.c.waiting_for + added))
 
     def insert_members(self, conn: Connection, rows: list[dict[str, Any]]) -> list[int]:
-        """Insert checked ``enqueue_many`` rows as members (``has_dependents`` set); their ids, in order."""
+        """Insert checked ``enqueue_many`` rows as members (``has_dependents`` set); their ids, in ``rows``' order
+        (a sequence links them in that order: ``sqla_jobs._sequence``)."""
         t = self.jobs
-        ids: list[int] = []
+        ids: dict[int, int] = {}
         for columns, batch in self._insert_batches(rows):  # type: ignore[attr-defined]
             # The payload is bound as text, as ``insert_many`` does: it is JSON already.
-            stmt = (insert(t).values(has_dependents=True, payload=bindparam("payload", type_=Text()))
+            texts = {c: bindparam(c, type_=Text()) for c in ("payload", "trace_context") if c in columns}
+            stmt = (insert(t).values(has_dependents=True, **texts)
                     .returning(t.c.id, sort_by_parameter_order=True))
-            ids.extend(conn.scalars(stmt, [{c: r[c] for c in columns} for r in batch]))
-        return ids
+            ids.update(zip(map(id, batch), conn.scalars(stmt, [{c: r[c] for c in columns} for r in batch]),
+                           strict=True))
+        return [ids[id(row)] for row in rows]
 
     # -- reading batches ------------------------------------------------------------------------
 

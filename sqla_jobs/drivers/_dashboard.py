@@ -44,6 +44,7 @@ def job_page(
     kind: str | None = None,
     queue: str | None = None,
     unique_key: str | None = None,
+    sequence_key: str | None = None,
     since: float | None = None,
     before_id: int | None = None,
     after: tuple[int, datetime, int] | None = None,
@@ -81,7 +82,7 @@ def job_page(
     t = driver.jobs
     columns = (
         t.c.id, t.c.kind, t.c.queue, t.c.state, t.c.attempts, t.c.max_attempts, t.c.priority,
-        t.c.created_at, t.c.run_at, t.c.finished_at, t.c.locked_by, t.c.unique_key,
+        t.c.created_at, t.c.run_at, t.c.finished_at, t.c.locked_by, t.c.unique_key, t.c.sequence_key,
         func.substr(t.c.last_error, 1, ERROR_PREVIEW).label("last_error"),
     )
     filters: list[ColumnElement[bool]] = []
@@ -91,6 +92,8 @@ def job_page(
         filters.append(t.c.queue == queue)
     if unique_key is not None:
         filters.append(driver.key_or_periods(unique_key))
+    if sequence_key is not None:  # sqla_jobs._sequence; along ix_<jobs>_sequence when it is the only filter
+        filters.append(t.c.sequence_key == sequence_key)
     if since is not None:
         filters.append(t.c.created_at >= driver.ago(since))
 

@@ -83,7 +83,7 @@ def edge_table(jobs: Table, metadata: MetaData | None = None) -> Table:
 
 
 #: What a blocked dependent may do when an upstream fails (``Job(on_upstream_failure=...)``; None is the first).
-FAILURE_POLICIES = ("cancel", "run", "wait")
+FAILURE_POLICIES = ("cancel", "run", "wait", "hold")
 #: The reason a skipped on_failure callback is given (every upstream finished).
 SKIPPED = "skipped: every member of the batch finished, so on_failure is not needed"
 #: How an upstream can fail, as the reason a cancelled dependent is given.
@@ -94,10 +94,11 @@ def on_upstream_failure(policy: str | None, ended: str) -> str:
     """What a blocked dependent with ``policy`` does when an upstream ended ``ended`` (dead, cancelled,
     purged): ``cancel`` it, ``run`` (count the upstream as done), or ``wait`` (a requeue of the dead
     upstream resumes it). Only a dead upstream can come back, so ``wait`` cancels on the other two:
-    nothing would ever release the dependent."""
-    if policy in ("run", ERRBACK):
+    nothing would ever release the dependent. ``hold`` (a sequence's default, ``sqla_jobs._sequence``)
+    waits for a dead upstream too, but runs once it is purged or cancelled: that job left on purpose."""
+    if policy in ("run", ERRBACK) or (policy == "hold" and ended != "dead"):
         return "run"
-    if policy == "wait" and ended == "dead":
+    if policy in ("wait", "hold") and ended == "dead":
         return "wait"
     return "cancel"
 
@@ -290,7 +291,7 @@ class Graph:
         e, t = self.edges, self.jobs
         stmt = (select(e.c.position, e.c.upstream_id.label("id"), t.c.state, t.c.result, e.c.ended)
                 .select_from(e.outerjoin(t, t.c.id == e.c.upstream_id))
-                .where(e.c.downstream_id == job_id).order_by(e.c.position))
+                .where(e.c.downstream_id == job_id, e.c.position >= 0).order_by(e.c.position))
         return list(conn.execute(stmt))
 
     # -- showing a graph (the CLI, the dashboard, stats) --------------------------------------

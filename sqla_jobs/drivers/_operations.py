@@ -84,7 +84,8 @@ class Operations:
     def check_schema(self, conn: Connection) -> None:
         """Raise SchemaError naming what is missing, before a worker touches the tables."""
         inspector = inspect(conn)
-        for table in (self.jobs, self.dead, self.edges, batch_table(self.jobs), self.steps, self.events):
+        for table in (self.jobs, self.dead, self.edges, batch_table(self.jobs), self.steps, self.events,
+                      self.sequences):  # type: ignore[attr-defined]
             if not inspector.has_table(table.name, schema=table.schema):
                 raise SchemaError(
                     f"table {table.fullname!r} does not exist in {conn.engine.url.render_as_string()}: create it "
@@ -135,6 +136,7 @@ class Operations:
                     "max_attempts": r.max_attempts,
                     "created_at": r.created_at,
                     "trace_context": r.trace_context,  # the request that enqueued it: its first run is its child
+                    "sequence_key": r.sequence_key,  # for people: its edges, not the key, keep its place
                     "state": "pending", "attempts": 0,
                     "last_error": truncate(f"{r.last_error}\n[{note}]"),
                     "errors": requeued_errors(r.errors),
@@ -235,11 +237,13 @@ class Operations:
         state: str | None = None,
         queue: str | None = None,
         unique_key: str | None = None,
+        sequence_key: str | None = None,
         limit: int = 50,
     ) -> list[Any]:
         """Newest first; with ``state`` the query stays on that state's partial index where one exists.
 
-        ``unique_key`` matches the key itself and its periods (``key@<period start>``).
+        ``unique_key`` matches the key itself and its periods (``key@<period start>``); ``sequence_key``
+        reads ``ix_<jobs>_sequence`` (a sequence's jobs, newest first).
         """
         t = self.jobs
         stmt = select(t).order_by(t.c.id.desc()).limit(limit)
@@ -251,6 +255,8 @@ class Operations:
             stmt = stmt.where(t.c.queue == queue)
         if unique_key is not None:
             stmt = stmt.where(self.key_or_periods(unique_key))
+        if sequence_key is not None:
+            stmt = stmt.where(t.c.sequence_key == sequence_key)
         return list(conn.execute(stmt))
 
     def list_dead(

@@ -46,6 +46,7 @@ from ._graph import Graph
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate
 from ._percentile import percentile, run_times_in_python
 from ._results import Flow
+from ._sequences import Sequences
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
 from ._unique import Uniqueness
 
@@ -68,7 +69,11 @@ __all__ = [
     "truncate",
 ]
 
-class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durable):
+_SEQUENCED = ("sequence_key", "state", "waiting_for", "on_upstream_failure")
+
+
+# Sequences before Operations: its ``cancel`` splices a sequence, then runs the plain one.
+class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durable):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
@@ -187,7 +192,7 @@ class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durab
         Tables made by an older sqla-jobs get the indexes added since; their
         columns are left alone (that takes a migration).
         """
-        for table in (self.jobs, self.dead, self.edges, self.batches, self.steps, self.events):
+        for table in (self.jobs, self.dead, self.edges, self.batches, self.steps, self.events, self.sequences):
             table.create(conn, checkfirst=True)
             for index in self.creatable_indexes(conn, table):
                 conn.execute(CreateIndex(index, if_not_exists=True))
@@ -289,12 +294,13 @@ class Driver(Setup, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durab
     def _insert_batches(rows: list[dict[str, Any]]) -> Iterator[tuple[list[str], list[dict[str, Any]]]]:
         """The rows in batches of the same columns: with a ``run_at`` or without; with a ``trace_context`` (JSON
         text or None) when the rows have that key (``enqueue_many`` gives it to all of a call's rows or none)."""
-        traced = ["trace_context"] if rows and "trace_context" in rows[0] else []
+        # A sequenced row (sqla_jobs._sequence) has its key, its state and count, and its policy too.
+        extra = [c for c in ("trace_context", *_SEQUENCED) if rows and c in rows[0]]
         for timed in (False, True):
             batch = [r for r in rows if (r["run_at"] is not None) is timed]
             if batch:
                 yield ["kind", "queue", "payload", "priority", "max_attempts", *(["run_at"] if timed else []),
-                       *traced], batch
+                       *extra], batch
 
     def fenced(self, fences: Iterable[Fence]) -> ColumnElement[bool]:
         t = self.jobs

@@ -20,7 +20,7 @@ from starlette.templating import Jinja2Templates
 from .._admin import Admin
 from .._durations import format_duration, parse_duration
 from .._models import STATES
-from .._neighbourhood import neighbourhood, policy_text
+from .._neighbourhood import neighbourhood, policy_text, sequence_place
 from ..drivers import _dashboard as sql_dashboard
 from ..errors import ConfigError
 from . import _samples
@@ -133,7 +133,8 @@ def _filters(request: Request) -> dict[str, Any]:
         raise ConfigError(f"before must be a job id, got {before!r}")
     after = q.get("after") or None
     return {"state": state, "kind": q.get("kind") or None, "queue": q.get("queue") or None,
-            "unique_key": q.get("unique_key") or None, "since": since, "before_id": int(before) if before else None,
+            "unique_key": q.get("unique_key") or None, "sequence_key": q.get("sequence_key") or None,
+            "since": since, "before_id": int(before) if before else None,
             "after": _parse_after(after) if after else None}
 
 
@@ -189,6 +190,8 @@ def job(request: Request) -> Response:
         timings = None if dead else sql_dashboard.job_timings(site.queue.driver(conn), conn, job_id)
         hood = None if row is None else neighbourhood(site.queue.driver(conn), conn, job_id, limit=NEIGHBOURS)
         batch = site.queue.driver(conn).batch_of(conn, job_id) if hood else None  # a member's or a callback's
+        place = None if row is None else sequence_place(site.queue.driver(conn), conn, job_id, row.sequence_key,
+                                                        getattr(row, "state", "dead"))
         steps = site.queue.job_steps(session, job_id)  # a durable job's (sqla_jobs._durable)
     if row is None or hood is None:
         return site.render(request, "message.html", 404, heading="No such job",
@@ -201,7 +204,7 @@ def job(request: Request) -> Response:
                               lambda i: str(request.url_for("job", job_id=i))) if hood else None
     return site.render(
         request, "job.html", job=data, dead=dead, state=state, timings=timings,
-        hood=hood, graph=graph, policy=policy_text(data.get("on_upstream_failure")), batch=batch,
+        hood=hood, graph=graph, policy=policy_text(data.get("on_upstream_failure")), batch=batch, place=place,
         waiting=[n.id for n in hood.dependents if n.state == "blocked" and n.ended is None] if dead else [],
         payload=json.dumps(data.get("payload"), indent=2, ensure_ascii=False, default=str),
         errors=data.get("errors") or [], steps=steps,

@@ -316,7 +316,7 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
                     "id": r.id, "kind": r.kind, "queue": r.queue, "payload": r.payload, "priority": r.priority,
                     "attempts": 0, "max_attempts": r.max_attempts, "created_at": r.created_at, "state": "pending",
                     "last_error": truncate(f"{r.last_error}\n[{note}]"), "errors": requeued_errors(r.errors),
-                    "trace_context": r.trace_context,
+                    "trace_context": r.trace_context, "sequence_key": r.sequence_key,
                 }
                 for r in rows
             ],

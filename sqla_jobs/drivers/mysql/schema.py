@@ -101,7 +101,7 @@ class MySQLSchema(Driver):
 
     def create(self, conn: Connection) -> None:
         """Tables first, then the indexes missing (MySQL has no ``CREATE INDEX IF NOT EXISTS``)."""
-        for table in (self.jobs, self.dead, self.edges, self.batches, self.steps, self.events):
+        for table in (self.jobs, self.dead, self.edges, self.batches, self.steps, self.events, self.sequences):
             table.create(conn, checkfirst=True)
             have = self._index_names_of(conn, table)
             for index in self.creatable_indexes(conn, table):

@@ -44,7 +44,7 @@ from .._durable import emit_statement, upsert_statement
 from .._graph import SKIPPED
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
-from . import capped, handoff, keepalive, partitions
+from . import capped, handoff, keepalive, moves, partitions
 from .async_listen import PgAsyncListener
 from .bench import PgBench
 from .claim import CLAIMED, run_claim
@@ -101,7 +101,7 @@ WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
 
 
-class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode):
+class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode, moves.MovedRows):
     """PostgreSQL: see the module docstring; the partitioned mode's methods are in ``pg_partitions``."""
 
     name = "postgresql"
