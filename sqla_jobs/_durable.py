@@ -71,6 +71,7 @@ class DurableStore(Protocol):
 
     driver: Driver
     step_limit: int
+    kinds: set[str]  # the kinds whose runs read their steps: a worker reads theirs with the claim (``prefetch``)
 
     def read(self, action: Callable[[Connection], Any]) -> Any: ...
     def write(self, action: Callable[[Connection], Any]) -> Any: ...
@@ -135,6 +136,7 @@ def _book(ctx: RunContext) -> Book:
         store = _store(ctx)
         rows = store.read(lambda conn: store.driver.job_steps(conn, ctx.id))
         ctx._book = Book({row.name: row for row in rows})
+        store.kinds.add(ctx.kind)
     return ctx._book  # type: ignore[no-any-return]
 
 
@@ -143,6 +145,7 @@ async def _book_async(ctx: RunContext) -> Book:
         store = _store(ctx)
         rows = await store.read_async(lambda conn: store.driver.job_steps(conn, ctx.id))
         ctx._book = Book({row.name: row for row in rows})
+        store.kinds.add(ctx.kind)
     return ctx._book  # type: ignore[no-any-return]
 
 

@@ -13,6 +13,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 from sqlalchemy.orm import Session
 
@@ -201,3 +202,35 @@ def test_an_emit_wakes_a_listening_postgresql_worker_at_once(pg: Database) -> No
         worker.stop()
         thread.join(30)
     assert job(pg.engine, job_id).result == {"data": "now"} and waited < 10, f"waited {waited:.1f}s for a poll"  # type: ignore[union-attr]
+
+
+def test_woken_waiters_find_their_wait_passed_and_their_steps_read_with_the_claim(db: Database) -> None:
+    """The emit ends the parked waits with its data in its own transaction; a worker that has run a kind's steps reads
+    the steps of the jobs of that kind it claims in one statement, not one per job (each on its handler thread)."""
+    ids = [enqueue(db.engine, "d_wait", {"key": f"paid:{i}"}) for i in range(12)]
+    run_burst(db.engine)  # all park
+    with Session(db.engine) as session, session.begin():
+        assert [queue.emit_event(session, f"paid:{i}", {"n": i}) for i in range(12)] == [1] * 12
+    for i, job_id in enumerate(ids):
+        wait = steps(db, job_id)[f"event:paid:{i}"]
+        assert wait.finished_at is not None and wait.value == {"n": i}  # passed by the emit
+    reads: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if "FROM jobs_steps" in statement or "FROM jobs_events" in statement:
+            reads.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", count)
+    try:
+        Worker(db.engine, queue, concurrency=4, poll_interval=0.05).run(burst=True, install_signals=False)
+    finally:
+        event.remove(db.engine, "before_cursor_execute", count)
+    for i, job_id in enumerate(ids):
+        done = job(db.engine, job_id)
+        assert done is not None and done.state == "finished" and done.result == {"data": {"n": i}}, done
+        assert ran(db, job_id) == ["step-before", "step-after"]
+    # No event read at all. A run reads its own steps only before the worker has learnt the kind (its first claim,
+    # of at most 4 jobs); after that each claim's jobs get theirs in one statement.
+    assert not any("FROM jobs_events" in r for r in reads), reads
+    own = [r for r in reads if " IN " not in r.upper()]
+    assert 1 <= len(own) <= 4 and len(reads) - len(own) >= 1, reads

@@ -1,25 +1,21 @@
 """The worker's handler threads: they run user code and nothing else.
 
-The control loop hands the executor each claimed job (``submit``); the
-handler is resolved there, once, and travels with the run (``Run.handler``) to
-the thread that executes it, so no thread looks anything up by key. A thread
-runs the handler with its job context set (``current_job()``), inside
-``_outage.watch()`` so a failure caused by the queue database dropping is told
-apart from the handler's own, and puts the ``Outcome`` on a queue the control
-loop drains with ``collect``. A transactional handler runs in a session whose
-commit also finishes the job (``Driver.finish``, fenced by the claim token).
+The control loop hands the executor each claimed job (``submit``); the handler is resolved there, once, and
+travels with the run (``Run.handler``) to the thread that executes it, so no thread looks anything up by key. A
+thread runs the handler with its job context set (``current_job()``), inside ``_outage.watch()`` so a failure
+caused by the queue database dropping is told apart from the handler's own, and puts the ``Outcome`` on a queue
+the control loop drains with ``collect``. A transactional handler runs in a session whose commit also finishes
+the job (``Driver.finish``, fenced by the claim token).
 
-A handler's return value (when not None) is checked by the payload rules and
-travels with its ``Outcome`` (``value``), as does the last progress value not yet
-written; such outcomes are finished by ``Store.finish_with_results``, the rest by
-the batched ``finish_and_claim`` as before. A cancel request that reached a run
-(``deliver_cancel``: its context's ``cancelled`` event set, an async handler's
-task cancelled) turns whatever the handler then does into a ``cancel`` outcome.
+A handler's return value (when not None) is checked by the payload rules and travels with its ``Outcome``
+(``value``), as does the last progress value not yet written; such outcomes are finished by
+``Store.finish_with_results``, the rest by the batched ``finish_and_claim`` as before. A cancel request that
+reached a run (``deliver_cancel``: its context's ``cancelled`` event set, an async handler's task cancelled)
+turns whatever the handler then does into a ``cancel`` outcome.
 
-A run can be abandoned (timed out, lease lost, given back at shutdown): its
-thread may go on, but its result is discarded. ``abandon`` and a transactional
-run starting its commit are ordered by one lock, so a run that holds its
-fenced finish is never abandoned: its fate is its commit's.
+A run can be abandoned (timed out, lease lost, given back at shutdown): its thread may go on, but its result is
+discarded. ``abandon`` and a transactional run starting its commit are ordered by one lock, so a run that holds
+its fenced finish is never abandoned: its fate is its commit's.
 """
 
 from __future__ import annotations
@@ -80,6 +76,7 @@ class Executor:
         self.progress: dict[Fence, JobContext] = {}
         self._result_limit = queue.job_model.max_result_bytes
         self.steps = StepStore(engine, driver, self._result_limit)  # a durable job's steps (sqla_jobs._durable)
+        self._held: list[Run] = []  # submitted runs of durable kinds, until flush reads their steps
         self._progress_limit = queue.job_model.max_progress_bytes
         self._fate = threading.Lock()  # orders abandon against a transactional run starting to commit
         self._abandoned = 0  # how many of running were given up on
@@ -112,7 +109,7 @@ class Executor:
             self.running_in[job.queue] = self.running_in.get(job.queue, 0) + 1
         if timeout:
             self._timed += 1
-        self._dispatch(run)
+        (self._held.append if job.kind in self.steps.kinds else self._dispatch)(run)  # durable kinds: see flush
         return run
 
     def read(self, statement: Callable[[Driver, Connection], Any]) -> Any:
@@ -135,7 +132,12 @@ class Executor:
         self._todo.put(run)
 
     def flush(self) -> None:
-        """Every run of one claim was submitted (the relay's executor publishes them as one batch here)."""
+        """Every run of one claim was submitted: the durable ones go once their steps are read, all in one statement
+        (the relay's executor publishes its runs as one batch here)."""
+        held, self._held = self._held, []
+        self.steps.prefetch([run.ctx for run in held])
+        for run in held:
+            self._dispatch(run)
 
     def collect(self, take: Callable[[Outcome], None]) -> None:
         """Pass each outcome the threads produced to ``take``; free their slots."""

@@ -13,7 +13,9 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from sqlalchemy import Connection, Engine
+from sqlalchemy.exc import SQLAlchemyError
 
+from .._durable import Book
 from ..drivers.base import Driver
 
 if TYPE_CHECKING:
@@ -27,6 +29,24 @@ class StepStore:
 
     def __init__(self, engine: Engine, driver: Driver, step_limit: int) -> None:
         self.engine, self.driver, self.step_limit = engine, driver, step_limit
+        self.kinds: set[str] = set()  # learnt from the runs (sqla_jobs._durable._book): no setting to forget
+
+    def prefetch(self, runs: list[Any]) -> None:
+        """Give each run (a ``JobContext`` of a durable kind, just claimed) its job's steps, all read in one statement.
+
+        Each run would read its own as it starts: one round trip per job, on a handler thread, which among dozens
+        of threads waits for the GIL after each (resuming 10,000 woken waiters took 6 ms a read). The job is this
+        worker's now: nothing else writes its steps until its run ends. If the read fails, each run reads its own.
+        """
+        if not runs:
+            return
+        try:
+            with self.engine.connect() as conn:
+                found = self.driver.jobs_steps(conn, [ctx.id for ctx in runs])
+        except SQLAlchemyError:
+            return
+        for ctx in runs:
+            ctx._book = Book({row.name: row for row in found.get(ctx.id, ())})
 
     def read(self, action: Callable[[Connection], Any]) -> Any:
         with self.engine.connect() as conn:
