@@ -1,9 +1,9 @@
-"""Durable sleeps and event waits across a PostgreSQL server restart (issue 34, point 2: "surviving restarts").
+"""Durable sleeps and event waits across a PostgreSQL server restart and a worker restart (issue 34, points 2, 7).
 
 Jobs parked in a sleep or in a wait for an event hold no connection and no thread; their state is rows
 (the job ``pending`` with its due time, the step that parked it). A server restart while they are parked
-must change nothing: after it the sleepers resume at their due time, an event emitted after the restart
-wakes its waiters, each step before the park ran exactly once, and no attempt was charged.
+must change nothing, nor must new worker processes: after them the sleepers resume at their due time, an event
+emitted after the restarts wakes its waiters, each step ran exactly once, and no attempt was charged.
 """
 
 from __future__ import annotations
@@ -32,8 +32,9 @@ def _parked(db: Database, ids: list[int]) -> bool:
     return set(ids) <= before and all(job(db.engine, i).state == "pending" for i in ids)
 
 
-def test_sleeps_and_event_waits_resume_after_a_server_restart(private_cluster: PrivateCluster, private_db: Database,
-                                                              workers: Workers) -> None:
+def test_sleeps_and_event_waits_resume_once_after_a_server_and_a_worker_restart(
+    private_cluster: PrivateCluster, private_db: Database, workers: Workers
+) -> None:
     engine = private_db.engine
     enqueued = time.time()
     sleepers = enqueue(engine, "d_sleep", {"seconds": SLEEP_SECONDS}, n=4)
@@ -43,11 +44,16 @@ def test_sleeps_and_event_waits_resume_after_a_server_restart(private_cluster: P
     private_cluster.stop("fast")  # every connection of the workers is cut; nothing is running
     time.sleep(2)
     private_cluster.start()
+    wait_for(lambda: all("database is back" in w.log() for w in pool), 60, "the workers to reconnect")
+    for worker in pool:  # and the workers restart too: the parked jobs are rows, not anything a process holds
+        assert worker.alive(), "a worker died instead of reconnecting"
+        assert worker.stop() == 0
+    pool = [workers(private_db.url, concurrency=2, app="tests.durable_app:queue") for _ in range(2)]
     with Session(engine) as session, session.begin():
         app.queue.emit_event(session, "paid:restart", {"amount": 42})
-    wait_for(lambda: all_settled(engine, sleepers + waiters), 90, "every job to finish after the restart")
+    wait_for(lambda: all_settled(engine, sleepers + waiters), 90, "every job to finish after the restarts")
     for worker in pool:
-        assert worker.alive(), "a worker died instead of reconnecting"
+        assert worker.alive()
         assert worker.stop() == 0
     steps = Counter((e.job_id, e.event) for e in effects(engine))
     for job_id in sleepers + waiters:
