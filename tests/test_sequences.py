@@ -111,6 +111,22 @@ def states(engine: Any, *jobs: app.Job) -> list[str]:
 KEYS, PER_KEY, PROCESSES = 8, 8, 4
 
 
+
+def wait_for_runs(log: Path, count: int) -> None:
+    """Until ``count`` runs are in the log (at most 120 s: the asserts after say what is missing)."""
+    deadline = time.monotonic() + 120
+    while len(runs(log)) < count and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def stop(workers: list[Any]) -> None:
+    """SIGTERM each worker process; each must exit 0."""
+    for worker in workers:
+        worker.send_signal(signal.SIGTERM)
+    for worker in workers:
+        _, err = worker.communicate(timeout=60)
+        assert worker.returncode == 0, err
+
 def test_four_worker_processes_run_each_sequence_one_at_a_time_in_enqueue_order(sdb: Database,
                                                                                  tmp_path: Path) -> None:
     log = tmp_path / "runs.log"
@@ -145,15 +161,9 @@ def test_four_worker_processes_run_each_sequence_one_at_a_time_in_enqueue_order(
         enqueue_round(n)
         time.sleep(0.05)
     try:
-        deadline = time.monotonic() + 120
-        while len(runs(log)) < KEYS * PER_KEY and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_for_runs(log, KEYS * PER_KEY)
     finally:
-        for worker in workers:
-            worker.send_signal(signal.SIGTERM)
-        for worker in workers:
-            _, err = worker.communicate(timeout=60)
-            assert worker.returncode == 0, err
+        stop(workers)
     found = runs(log)
     assert len(found) == KEYS * PER_KEY
     for key, chain in by_key(found).items():
@@ -434,15 +444,9 @@ def test_enqueueing_behind_jobs_that_workers_finish_meanwhile(tmp_path: Path, mo
             for n in range(300):  # each job's predecessor is as likely as not running when it is added
                 with Session(part.engine) as session, session.begin():
                     session.add(seq_job(log, f"k{n % 3}", n))
-            deadline = time.monotonic() + 120
-            while len(runs(log)) < 300 and time.monotonic() < deadline:
-                time.sleep(0.2)
+            wait_for_runs(log, 300)
         finally:
-            for worker in workers:
-                worker.send_signal(signal.SIGTERM)
-            for worker in workers:
-                _, err = worker.communicate(timeout=60)
-                assert worker.returncode == 0, err
+            stop(workers)
         found = runs(log)
         assert len(found) == 300
         for key, chain in by_key(found).items():
