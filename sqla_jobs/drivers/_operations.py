@@ -135,6 +135,7 @@ class Operations:
                     "max_attempts": r.max_attempts,
                     "created_at": r.created_at,
                     "trace_context": r.trace_context,  # the request that enqueued it: its first run is its child
+                    "fair_key": r.fair_key,
                     "state": "pending", "attempts": 0,
                     "last_error": truncate(f"{r.last_error}\n[{note}]"),
                     "errors": requeued_errors(r.errors),

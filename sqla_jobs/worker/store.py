@@ -63,6 +63,13 @@ class Store:
         self.limits = queue.kind_limits()
         self.limited_kinds = [lim.kind for lim in self.limits]
         self.limits_table = limits_table(queue) if self.limits else None
+        #: Fair queues this worker claims from (sqla_jobs._fair): each its own claim, turn about with the plain
+        #: claim, which leaves them out; each with the last key this worker served (its cursor in the ring).
+        self.fair = {name: spec for name, spec in queue.fair.items() if self.queues is None or name in self.queues}
+        self._cursors = dict.fromkeys(self.fair, "")
+        self._fair_turn = 0
+        if self.fair:
+            self.driver = driver.skipping_queues(list(self.fair))
         self._capped_only = all(lim.running is not None and lim.key is None and not lim.rate_count
                                 for lim in self.limits)
 
@@ -166,8 +173,41 @@ class Store:
         ``plain``: with limits, whether to make the ordinary claim (of the kinds without limits) too.
         Returns the claimed jobs, whether a job that must run alone is waiting, and whether the ordinary
         claim, made beside limits, found fewer jobs than it asked for (always False without limits).
+        With fair queues among ``queues``, each has a claim of its own (``Driver.claim_fair``); they and the
+        plain claim take turns at going first, so none of them starves the others of the worker's threads.
         """
         queues = queues if queues is not None else self.queues
+        fair = [name for name in self.fair if queues is None or name in queues] if limit > 0 else []
+        if not fair:
+            return self._finish_and_claim(ok, limit, token, alone, queues, plain)
+        order: list[str | None] = [*fair, *([None] if queues is None or set(queues) - set(fair) else [])]
+        self._fair_turn += 1
+        shift = self._fair_turn % len(order)
+        order = order[shift:] + order[:shift]  # None: the plain claim of the other queues
+        jobs: list[Claimed] = []
+        waiting = short = False
+        if order[0] is not None and ok:
+            self._finish_and_claim(ok, 0, token, alone, queues, plain)
+            ok = []
+        for name in order:
+            free = limit - len(jobs)
+            if free <= 0 or waiting or (jobs and jobs[0].isolated):
+                break
+            if name is None:
+                got, left, short = self._finish_and_claim(ok, free, token, alone and not jobs, queues, plain)
+                ok = []
+            else:
+                with self._hot() as conn:
+                    got, left, self._cursors[name] = self.driver.claim_fair(
+                        conn, name, self.fair[name].weights, self._cursors[name], free, self.worker_name, token,
+                        self.lease, alone and not jobs, self.limited_kinds)
+            jobs += got
+            waiting = waiting or left
+        return jobs, waiting, short
+
+    def _finish_and_claim(self, ok: list[Outcome], limit: int, token: str, alone: bool,
+                          queues: Sequence[str] | None, plain: bool) -> tuple[list[Claimed], bool, bool]:
+        """``finish_and_claim`` without fair queues: the plain claim (and the limited kinds'), as always."""
         fences = [o.job.fence for o in ok]
         short = False
         if self.limits_table is None or limit <= 0:  # no limits (or no claim): the one round trip it always was
@@ -214,7 +254,7 @@ class Store:
                 plain: bool) -> tuple[set[int], list[Claimed], bool, bool] | None:
         """``finish_and_claim`` the backend's faster way, when it has one and every limit is a plain running
         limit (PostgreSQL: one pipeline on the hot connection, drivers/postgresql/capped.py); None: it has not."""
-        if not self._capped_only or self.driver.hot_isolation != "AUTOCOMMIT":
+        if not self._capped_only or self.driver.hot_isolation != "AUTOCOMMIT" or self.driver.skip_queues:
             return None
         assert self.limits_table is not None
         with self._hot() as conn:
