@@ -269,8 +269,8 @@ class PostgreSQLDriver(fair.PgFair, PgSchema, PgVacuum, PgBench, PartitionedMode
         # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
         # result machinery was a fifth of the worker's time. Errors are wrapped
         # back into SQLAlchemy's, which is what the worker's retry loop expects.
-        sql = self._pg_hot[bool(queues), bool(skip_kinds) | (2 if self.skip_queues else 0), partitions.is_partitioned(conn, self.jobs),
-                           self.discard_finished, named]
+        sql = self._pg_hot[bool(queues), bool(skip_kinds) | (2 if self.skip_queues else 0),
+                           partitions.is_partitioned(conn, self.jobs), self.discard_finished, named]
         after = (self._handoff, {"flagged": params["flagged"], "channel": self._channel,
                                  "skipped": SKIPPED}) if named else None
         if not conn.in_transaction():

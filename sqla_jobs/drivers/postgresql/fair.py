@@ -19,7 +19,6 @@ caller moves its cursor to the last key served.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 from sqlalchemy import Connection, Table
 from sqlalchemy.exc import DBAPIError
