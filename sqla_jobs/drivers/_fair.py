@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import Connection, Select, Table, func, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
-from ._claimed import Claimed
+from ._claimed import Claimed, Fence
 
 __all__ = ["Fairness"]
 
@@ -42,6 +42,7 @@ class Fairness:
         def now(self) -> ColumnElement[datetime]: ...
         def later(self, seconds: float) -> ColumnElement[datetime]: ...
         def skip_locked(self, stmt: Select[Any]) -> Select[Any]: ...
+        def finish(self, conn: Connection, fences: Sequence[Fence]) -> set[int]: ...
 
     def claim_fair(self, conn: Connection, queue: str, weights: Mapping[str, int], after: str, limit: int,
                    worker: str, token: str, lease: float, alone: bool,
@@ -62,6 +63,15 @@ class Fairness:
             if not jobs or not more or (jobs and jobs[0].isolated):
                 break
         return claimed, waiting, after
+
+    def finish_and_claim_fair(self, conn: Connection, fences: Sequence[Fence], queue: str, weights: Mapping[str, int],
+                              after: str, limit: int, worker: str, token: str, lease: float, alone: bool,
+                              skip_kinds: Sequence[str] = ()) -> tuple[set[int], list[Claimed], bool, str]:
+        """Mark ``fences`` finished, then ``claim_fair``: (finished ids, claimed, isolated_waiting, cursor). One
+        transaction here; on PostgreSQL one statement (the worker's turn, one round trip)."""
+        finished = self.finish(conn, fences)
+        return (finished, *self.claim_fair(conn, queue, weights, after, limit, worker, token, lease, alone,
+                                           skip_kinds))
 
     def _fair_ring(self, conn: Connection, queue: str, after: str, count: int) -> list[str | None]:
         """Up to ``count`` keys with pending jobs in ring order after ``after``, the keyless turn at the wrap."""
@@ -102,7 +112,8 @@ class Fairness:
                 t.c.fair_key == key if key is not None else t.c.fair_key.is_(None))
             if skip_kinds:
                 due = due.where(t.c.kind.not_in(list(skip_kinds)))
-            due = due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(weight * rounds)
+            # Led by queue and key (fixed by the WHERE): ix_<table>_fair's order, so it is the index walked.
+            due = due.order_by(t.c.queue, t.c.fair_key, t.c.priority.desc(), t.c.run_at, t.c.id).limit(weight * rounds)
             rows = list(conn.execute(self.skip_locked(due)))
             more = more or len(rows) == weight * rounds
             window += [(n // weight, place, n, r) for n, r in enumerate(rows)]

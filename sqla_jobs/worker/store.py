@@ -26,6 +26,7 @@ from ..drivers import connect_at
 from ..drivers._limits import claim_limited, ensure_rows
 from ..drivers.base import Claimed, Driver, Fence
 from .executor import Outcome
+from .fair_turns import fair_turns
 from .outcomes import hand_back_lost, hand_back_unfinished, park_delay, settle
 from .reconnect import retry_pause
 
@@ -66,8 +67,8 @@ class Store:
         #: Fair queues this worker claims from (sqla_jobs._fair): each its own claim, turn about with the plain
         #: claim, which leaves them out; each with the last key this worker served (its cursor in the ring).
         self.fair = {name: spec for name, spec in queue.fair.items() if self.queues is None or name in self.queues}
-        self._cursors = dict.fromkeys(self.fair, "")
-        self._fair_turn = 0
+        self.cursors = dict.fromkeys(self.fair, "")
+        self.fair_turn = 0
         if self.fair:
             self.driver = driver.skipping_queues(list(self.fair))
         self._capped_only = all(lim.running is not None and lim.key is None and not lim.rate_count
@@ -116,7 +117,7 @@ class Store:
             self.hold_reaper()
 
     @contextmanager
-    def _hot(self) -> Iterator[Connection]:
+    def hot(self) -> Iterator[Connection]:
         """The connection for the worker's short writes (claim, finish, heartbeat, release); see ``waited``."""
         began = time.monotonic()
         try:
@@ -179,39 +180,16 @@ class Store:
         queues = queues if queues is not None else self.queues
         fair = [name for name in self.fair if queues is None or name in queues] if limit > 0 else []
         if not fair:
-            return self._finish_and_claim(ok, limit, token, alone, queues, plain)
-        order: list[str | None] = [*fair, *([None] if queues is None or set(queues) - set(fair) else [])]
-        self._fair_turn += 1
-        shift = self._fair_turn % len(order)
-        order = order[shift:] + order[:shift]  # None: the plain claim of the other queues
-        jobs: list[Claimed] = []
-        waiting = short = False
-        if order[0] is not None and ok:
-            self._finish_and_claim(ok, 0, token, alone, queues, plain)
-            ok = []
-        for name in order:
-            free = limit - len(jobs)
-            if free <= 0 or waiting or (jobs and jobs[0].isolated):
-                break
-            if name is None:
-                got, left, short = self._finish_and_claim(ok, free, token, alone and not jobs, queues, plain)
-                ok = []
-            else:
-                with self._hot() as conn:
-                    got, left, self._cursors[name] = self.driver.claim_fair(
-                        conn, name, self.fair[name].weights, self._cursors[name], free, self.worker_name, token,
-                        self.lease, alone and not jobs, self.limited_kinds)
-            jobs += got
-            waiting = waiting or left
-        return jobs, waiting, short
+            return self.finish_and_claim_plain(ok, limit, token, alone, queues, plain)
+        return fair_turns(self, fair, ok, limit, token, alone, queues, plain)
 
-    def _finish_and_claim(self, ok: list[Outcome], limit: int, token: str, alone: bool,
-                          queues: Sequence[str] | None, plain: bool) -> tuple[list[Claimed], bool, bool]:
+    def finish_and_claim_plain(self, ok: list[Outcome], limit: int, token: str, alone: bool,
+                               queues: Sequence[str] | None, plain: bool) -> tuple[list[Claimed], bool, bool]:
         """``finish_and_claim`` without fair queues: the plain claim (and the limited kinds'), as always."""
         fences = [o.job.fence for o in ok]
         short = False
         if self.limits_table is None or limit <= 0:  # no limits (or no claim): the one round trip it always was
-            with self._hot() as conn:
+            with self.hot() as conn:
                 kept, jobs, waiting = self.driver.finish_and_claim(
                     conn, fences, limit, self.worker_name, token, self.lease, queues, alone=alone,
                     skip_kinds=self.limited_kinds, upstreams=[o.job.id for o in ok if o.job.has_dependents],
@@ -234,11 +212,15 @@ class Store:
                     )
                     short = len(others) < wanted
                     jobs, waiting = jobs + others, waiting or others_waiting
+        self.report_finished(ok, kept)
+        return jobs, waiting, short
+
+    def report_finished(self, ok: list[Outcome], kept: set[int]) -> None:
+        """After a finish of ``ok`` that kept ``kept``: finish those it declined, report each run."""
         kept = self.finish_declined(ok, kept)
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
-        return jobs, waiting, short
 
     def finish_declined(self, ok: list[Outcome], kept: set[int]) -> set[int]:
         """``kept`` plus those of ``ok`` a one-statement finish left (PostgreSQL's hot statement leaves a job
@@ -257,7 +239,7 @@ class Store:
         if not self._capped_only or self.driver.hot_isolation != "AUTOCOMMIT" or self.driver.skip_queues:
             return None
         assert self.limits_table is not None
-        with self._hot() as conn:
+        with self.hot() as conn:
             fast = self.driver.finish_and_claim_capped(conn, fences, self.limits_table, self.limits, limit,
                                                     self.worker_name, token, self.lease, queues, alone, plain)
         if fast is None:
@@ -279,23 +261,23 @@ class Store:
 
     def heartbeat(self, fences: list[Fence]) -> tuple[set[Fence], set[Fence]]:
         """Extend the leases of ``fences``; returns those still ours, and those of them someone asked to cancel."""
-        with self._hot() as conn:
+        with self.hot() as conn:
             kept = self.driver.heartbeat(conn, fences, self.lease)
             return kept, self.driver.cancel_requests(conn, list(kept)) if kept else set()
 
     def cancel_requests(self, fences: list[Fence]) -> set[Fence]:
         """Which of these runs someone asked to cancel (between heartbeats, after a notification)."""
-        with self._hot() as conn:
+        with self.hot() as conn:
             return self.driver.cancel_requests(conn, fences)
 
     def write_progress(self, rows: list[tuple[Fence, Any]]) -> None:
         """Store the latest progress values of running jobs (fenced: a run no longer ours is skipped)."""
-        with self._hot() as conn:
+        with self.hot() as conn:
             self.driver.set_progress(conn, rows)
 
     def hand_back(self, fences: list[Fence]) -> int:
         """Shutdown: hand the runs still going back to the queue (the outcome policy's ``shutdown``)."""
-        with self._hot() as conn:
+        with self.hot() as conn:
             return hand_back_unfinished(self.driver, conn, fences)
 
     def hand_back_strays(self, known: Sequence[Fence]) -> int:

@@ -73,10 +73,6 @@ __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_t
 # jobs (Driver.discarding_finished) deletes them in `done` instead. A job that others depend on is
 # finished here only when the worker names it, and its dependents are counted down by the next statement
 # of the transaction; else it is left to Driver.finish (handoff.py says why).
-_PG_FINISH = {
-    False: "UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL\n    FROM",
-    True: "DELETE FROM {table} AS j USING",
-}
 _PG_FINISH_AND_CLAIM = """
 WITH done AS (
     {finish} (
@@ -119,7 +115,7 @@ class PostgreSQLDriver(fair.PgFair, PgSchema, PgVacuum, PgBench, PartitionedMode
         # finishing by UPDATE or by DELETE (a worker that keeps no finished jobs); finishing the jobs with
         # dependents the worker names (handoff.py), or leaving them all.
         self._pg_hot = {(by_queue, skip, parted, discard, named): _PG_FINISH_AND_CLAIM.format(
-            finish=_PG_FINISH[discard].format(table=pg_name(jobs)),
+            finish=fair.FINISH[discard].format(table=pg_name(jobs)),
             live=partitions.live_name(jobs) if parted else pg_name(jobs),
             queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else "",
             skip_filter=fair.SKIP_FILTERS[skip],

@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from sqlalchemy import Connection, Table
 from sqlalchemy.exc import DBAPIError
 
-from ..base import Claimed
+from ..base import Claimed, Fence
 from .claim import run_claim
 from .notify import pg_name
 from .partitions import is_partitioned, live_name
@@ -35,6 +35,21 @@ __all__ = ["FAIR_CLAIM", "SKIP_FILTERS", "PgFair", "fair_claim_sql"]
 _KINDS, _QUEUES = " AND kind <> ALL(%(skip)s::text[])", " AND queue <> ALL(%(skip_queues)s::text[])"
 SKIP_FILTERS = ("", _KINDS, _QUEUES, _KINDS + _QUEUES)
 
+#: The hot statements' finish of the last batch (``done``): by UPDATE, or by DELETE for a worker that keeps no
+#: finished jobs (``Driver.discarding_finished``); shared with driver.py's ``_PG_FINISH_AND_CLAIM``.
+FINISH = {
+    False: "UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL\n    FROM",
+    True: "DELETE FROM {table} AS j USING",
+}
+# A job with dependents is left to Driver.finish (Store.finish_declined), as the plain hot statement leaves it.
+_DONE = """done AS (
+    {finish} (
+        SELECT split_part(pair, ':', 1)::bigint AS id, split_part(pair, ':', 2) AS token
+        FROM unnest(string_to_array(%(fences)s, ',')) AS pair
+    ) AS f
+    WHERE j.id = f.id AND j.claim_token = f.token AND j.state = 'running' AND NOT j.has_dependents
+    RETURNING j.id
+), """
 _PENDING = "state = 'pending' AND queue = %(queue)s"
 _NEXT = f"(SELECT fair_key FROM {{live}} WHERE {_PENDING} AND fair_key > {{after}} ORDER BY fair_key LIMIT 1)"
 _LOWEST = f"(SELECT fair_key FROM {{live}} WHERE {_PENDING} AND fair_key IS NOT NULL ORDER BY fair_key LIMIT 1)"
@@ -42,10 +57,13 @@ _TAKE = f"""SELECT id, isolate, priority, run_at,
             row_number() OVER (ORDER BY priority DESC, run_at, id) - 1 AS rn
         FROM (SELECT id, isolate, priority, run_at FROM {{live}}
             WHERE {_PENDING} AND run_at <= now() AND {{match}} AND kind <> ALL(%(skip)s::text[]){{besides}}
-            ORDER BY priority DESC, run_at, id LIMIT {{take}} FOR UPDATE SKIP LOCKED) AS x"""
+            ORDER BY queue, fair_key, priority DESC, run_at, id LIMIT {{take}} FOR UPDATE SKIP LOCKED) AS x"""
+# ORDER BY queue, fair_key first (both fixed by the WHERE, so the order is the same): the order of ix_<table>_fair
+# alone, so the planner never walks ix_<table>_pending instead, filtering every other key's jobs (it did for the
+# keyless turn: O(backlog) a claim).
 
 FAIR_CLAIM = """
-WITH RECURSIVE walk(k, lap, pos) AS (
+WITH RECURSIVE {done}walk(k, lap, pos) AS (
     SELECT s.k, s.lap, 1 FROM (
         SELECT COALESCE(n.k, n.low) AS k, CASE WHEN n.k IS NULL THEN 1 ELSE 0 END AS lap
         FROM (SELECT {first} AS k, CASE WHEN {first} IS NULL THEN {lowest} END AS low) AS n
@@ -102,17 +120,20 @@ FROM claimed
 UNION ALL
 SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
 WHERE isolate AND id NOT IN (SELECT id FROM alone)
+UNION ALL
+SELECT false, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM done
 """
 
 
-def fair_claim_sql(live: str) -> str:
-    """``FAIR_CLAIM`` for the table (or live partition) ``live``."""
+def fair_claim_sql(live: str, finish: str) -> str:
+    """``FAIR_CLAIM`` for the table (or live partition) ``live``, finishing the last batch in ``table``'s way."""
     def take(match: str, count: str, besides: str = "") -> str:
         return _TAKE.format(live=live, match=match, take=count, besides=besides)
 
     others = " AND id <> ALL(ARRAY(SELECT id FROM picked))"
     return FAIR_CLAIM.format(
         live=live,
+        done=_DONE.format(finish=finish),
         first=_NEXT.format(live=live, after="%(after)s"),
         step=_NEXT.format(live=live, after="w.k"),
         lowest=_LOWEST.format(live=live),
@@ -132,12 +153,23 @@ class PgFair:
                    worker: str, token: str, lease: float, alone: bool,
                    skip_kinds: Sequence[str] = ()) -> tuple[list[Claimed], bool, str]:
         """See ``Driver.claim_fair``: one statement, on the worker's connection one round trip (``run_claim``)."""
-        if limit <= 0:
-            return [], False, after
+        _, jobs, waiting, cursor = self.finish_and_claim_fair(conn, [], queue, weights, after, limit, worker, token,
+                                                              lease, alone, skip_kinds)
+        return jobs, waiting, cursor
+
+    def finish_and_claim_fair(self, conn: Connection, fences: Sequence[Fence], queue: str,
+                              weights: Mapping[str, int], after: str, limit: int, worker: str, token: str,
+                              lease: float, alone: bool,
+                              skip_kinds: Sequence[str] = ()) -> tuple[set[int], list[Claimed], bool, str]:
+        """See ``Driver.finish_and_claim_fair``: the finish is the statement's ``done``."""
         live = live_name(self.jobs) if is_partitioned(conn, self.jobs) else pg_name(self.jobs)
         cache = self.__dict__.setdefault("_fair_sql", {})
-        sql = cache.get(live) or cache.setdefault(live, fair_claim_sql(live))
-        params = {"queue": queue, "after": after, "limit": limit, "keys": max(limit, 1), "wkeys": list(weights),
+        key = (live, self.discard_finished)
+        if key not in cache:
+            cache[key] = fair_claim_sql(live, FINISH[self.discard_finished].format(table=pg_name(self.jobs)))
+        sql = cache[key]
+        params = {"fences": ",".join(f"{job_id}:{job_token}" for job_id, job_token in fences), "queue": queue,
+                  "after": after, "limit": max(limit, 0), "keys": max(limit, 1), "wkeys": list(weights),
                   "wvals": list(weights.values()), "skip": list(skip_kinds), "worker": worker, "token": token,
                   "lease": float(lease), "alone": alone}
         if not conn.in_transaction():
@@ -148,7 +180,8 @@ class PgFair:
             if isinstance(exc, conn.dialect.loaded_dbapi.Error):
                 raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
             raise
+        finished = {r[1] for r in rows if r[0] is False}
         claimed = sorted((r for r in rows if r[0]), key=lambda r: r[12])
         waiting = any(r[0] is None for r in rows)
         jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token, bool(r[9]), bool(r[10])) for r in claimed]
-        return jobs, waiting, (claimed[-1][11] or "") if claimed else after
+        return finished, jobs, waiting, (claimed[-1][11] or "") if claimed else after
