@@ -3,8 +3,9 @@
 ``walk`` skip-scans the queue's distinct keys on ``ix_<table>_fair`` (queue, fair_key, priority, run_at,
 id) of the pending rows: each step is one index probe for the first key after the previous one, starting
 after the claimer's cursor (the last key it served) and wrapping round once, so it reads ``keys`` index
-entries however many pending jobs and distinct keys the queue holds. ``slots`` adds the keyless turn
-(jobs with no ``fair_key``) where the ring wraps, and each key's weight. ``picked`` takes each slot's most
+entries however many pending jobs and distinct keys the queue holds (``OFFSET 0`` keeps the planner from
+copying each probe into every expression that reads its result: it ran each four times). ``slots`` adds the
+keyless turn (jobs with no ``fair_key``) where the ring wraps, and each key's weight. ``picked`` takes each slot's most
 urgent due jobs, ``weight * rounds`` of them and one more (which says the key has more),
 ``FOR UPDATE SKIP LOCKED`` (a lateral probe of the same index): ``rounds`` is how many rounds of the slots
 found fill the claim, so at most ``2 * limit + sum(weights)`` rows are locked, those not claimed until the
@@ -65,15 +66,17 @@ _TAKE = f"""SELECT id, isolate, priority, run_at,
 FAIR_CLAIM = """
 WITH RECURSIVE {done}walk(k, lap, pos) AS (
     SELECT s.k, s.lap, 1 FROM (
-        SELECT COALESCE(n.k, n.low) AS k, CASE WHEN n.k IS NULL THEN 1 ELSE 0 END AS lap
-        FROM (SELECT {first} AS k, CASE WHEN {first} IS NULL THEN {lowest} END AS low) AS n
-    ) AS s
+        SELECT COALESCE(n.k, n.low) AS k, CASE WHEN n.k IS NULL THEN 1 ELSE 0 END AS lap FROM (
+            SELECT x.k, CASE WHEN x.k IS NULL THEN {lowest} END AS low FROM (SELECT {first} AS k OFFSET 0) AS x
+            OFFSET 0) AS n
+        OFFSET 0) AS s
     WHERE s.k IS NOT NULL AND (s.lap = 0 OR s.k <= %(after)s)
     UNION ALL
     SELECT s.k, s.lap, w.pos + 1 FROM walk AS w CROSS JOIN LATERAL (
-        SELECT COALESCE(n.k, n.low) AS k, CASE WHEN n.k IS NULL THEN 1 ELSE w.lap END AS lap
-        FROM (SELECT {step} AS k, CASE WHEN w.lap = 0 AND {step} IS NULL THEN {lowest} END AS low) AS n
-    ) AS s
+        SELECT COALESCE(n.k, n.low) AS k, CASE WHEN n.k IS NULL THEN 1 ELSE w.lap END AS lap FROM (
+            SELECT x.k, CASE WHEN w.lap = 0 AND x.k IS NULL THEN {lowest} END AS low
+            FROM (SELECT {step} AS k OFFSET 0) AS x OFFSET 0) AS n
+        OFFSET 0) AS s
     WHERE w.pos < %(keys)s AND s.k IS NOT NULL AND (s.lap = 0 OR s.k <= %(after)s)
 ), slots AS MATERIALIZED (
     SELECT walk.k, walk.lap * 2 AS ring, COALESCE(wt.w, 1) AS w
