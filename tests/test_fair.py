@@ -3,6 +3,7 @@ not stuck behind a big one's backlog. The claim's own order is tested in tests/d
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -15,7 +16,9 @@ from sqlalchemy.orm import Session
 from sqla_jobs import FairQueue, JobQueue
 from sqla_jobs.errors import ConfigError, InvalidJob
 from tests import app, fair_app, forkserver
-from tests.conftest import ROOT, Database
+from tests.conftest import ROOT, Database, run_cli
+from tests.dashboard_helpers import client
+from tests.helpers import enqueue
 from tests.test_limits import _stop
 
 
@@ -95,3 +98,14 @@ def test_fair_settings_and_keys_are_checked() -> None:
         app.Job(kind="noop", fair_key="")
     with pytest.raises(InvalidJob, match="fair_key"):
         app.Job(kind="noop", fair_key="x" * 129)
+
+
+def test_the_key_is_shown_where_jobs_are_listed(db: Database) -> None:
+    """``jobs list`` (a column while a listed job has a key), ``jobs show`` and the dashboard's lists and job page."""
+    keyed = enqueue(db.engine, "noop", queue="fair", fair_key="tenant-7")
+    listed = run_cli("jobs", "list", "--app", "tests.app:queue", env=db.env())
+    assert "fair key" in listed.stdout and "tenant-7" in listed.stdout
+    shown = json.loads(run_cli("jobs", "show", str(keyed), "--json", "--app", "tests.app:queue", env=db.env()).stdout)
+    assert shown["fair_key"] == "tenant-7"
+    web = client(db)
+    assert "tenant-7" in web.get("/jobs").text and "tenant-7" in web.get(f"/jobs/{keyed}").text

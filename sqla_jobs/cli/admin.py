@@ -189,11 +189,14 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
         return 0
     # The progress column only when a listed job has one: most kinds never set it, and the table stays narrow.
     progress = any(r.progress is not None for r in rows)
+    fair = any(r.fair_key is not None for r in rows)  # likewise a fair queue's key (sqla_jobs._fair)
     print_table(
         f"{len(rows)} job(s), newest first{_cut(more, args.limit, '--state, --kind or --queue')}",
-        ["id", "kind", "queue", "state", "attempts", "run at", *(["progress"] if progress else []), "last error"],
-        [[str(r.id), r.kind, r.queue, r.state, f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
-          *([_short_json(r.progress)] if progress else []), _first_line(r.last_error, 60)] for r in rows],
+        ["id", "kind", "queue", *(["fair key"] if fair else []), "state", "attempts", "run at",
+         *(["progress"] if progress else []), "last error"],
+        [[str(r.id), r.kind, r.queue, *([r.fair_key or ""] if fair else []), r.state, f"{r.attempts}/{r.max_attempts}",
+          str(r.run_at)[:19], *([_short_json(r.progress)] if progress else []), _first_line(r.last_error, 60)]
+         for r in rows],
     )
     return 0
 

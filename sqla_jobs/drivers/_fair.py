@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Select, Table, func, select, update
+from sqlalchemy import Connection, Select, Table, exists, func, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import Claimed, Fence
@@ -93,6 +93,8 @@ class Fairness:
             key = nxt
         if not wrapped:
             ring.append(None)  # a claim always offers the keyless turn
+        if not conn.execute(select(exists().where(*pending, t.c.fair_key.is_(None)))).scalar():
+            ring.remove(None)  # none to offer: it would thin out every key's share of the claim
         return ring
 
     def _fair_turns(self, conn: Connection, queue: str, weights: Mapping[str, int], after: str, limit: int,
@@ -101,6 +103,8 @@ class Fairness:
         """One pass of the ring: (claimed, isolated_waiting, cursor, some key had more than its turns)."""
         t = self.jobs
         ring = self._fair_ring(conn, queue, after, limit)
+        if not ring:
+            return [], False, after, False
         rounds = math.ceil(limit / sum(weights.get(k, 1) if k is not None else 1 for k in ring))
         window: list[tuple[int, int, int, Any]] = []  # (round, place in the ring, n, row)
         more = False

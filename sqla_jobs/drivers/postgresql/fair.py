@@ -81,8 +81,8 @@ WITH RECURSIVE {done}walk(k, lap, pos) AS (
 ), slots AS MATERIALIZED (
     SELECT walk.k, walk.lap * 2 AS ring, COALESCE(wt.w, 1) AS w
     FROM walk LEFT JOIN unnest(%(wkeys)s::text[], %(wvals)s::int[]) AS wt(k, w) ON wt.k = walk.k
-    UNION ALL
-    SELECT NULL, 1, 1
+    UNION ALL  -- the keyless turn, when the queue has keyless jobs (else it would thin out every key's share)
+    SELECT NULL, 1, 1 WHERE EXISTS (SELECT FROM {live} WHERE {pending} AND fair_key IS NULL)
 ), rounds AS (
     SELECT ceil(%(limit)s::numeric / sum(w))::int AS r FROM slots
 ), picked AS MATERIALIZED (
@@ -136,6 +136,7 @@ def fair_claim_sql(live: str, finish: str) -> str:
     others = " AND id <> ALL(ARRAY(SELECT id FROM picked))"
     return FAIR_CLAIM.format(
         live=live,
+        pending=_PENDING,
         done=_DONE.format(finish=finish),
         first=_NEXT.format(live=live, after="%(after)s"),
         step=_NEXT.format(live=live, after="w.k"),
