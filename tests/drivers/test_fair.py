@@ -128,3 +128,22 @@ def test_concurrent_claimers_take_each_job_once(backend: Backend) -> None:
     for thread in threads:
         thread.join()
     assert sorted(taken) == sorted(ids)
+
+
+def test_an_isolated_job_is_claimed_alone(backend: Backend) -> None:
+    """The plain claim's poison rule holds in a fair queue: a busy claimer leaves an isolated job and says so;
+    an idle one takes it and nothing else."""
+    ids = enqueue(backend, ["a", "b", "c"])
+    isolated = min(ids)
+    backend.set(isolated, isolate=True)
+
+    def claim(alone: bool) -> tuple[list[Claimed], bool]:
+        with backend.write() as conn:
+            jobs, waiting, _ = backend.driver.claim_fair(conn, "fair", {}, "", 10, "conformance", uuid.uuid4().hex,
+                                                         60.0, alone)
+        return jobs, waiting
+
+    jobs, waiting = claim(alone=False)
+    assert sorted(j.id for j in jobs) == sorted(set(ids) - {isolated}) and waiting
+    jobs, waiting = claim(alone=True)
+    assert [j.id for j in jobs] == [isolated] and jobs[0].isolated and not waiting
