@@ -161,7 +161,7 @@ def run_fair(args: argparse.Namespace) -> int:
                 _, idle, _, _ = _scene(engine, window)
             record("B..K pickup p50, idle queue (ms)", _pct(idle, 50))
             record("B..K pickup p99, idle queue (ms)", _pct(idle, 99))
-            for fair in (True, False):
+            for fair in (True, False) if run % 2 == 0 else (False, True):  # neither scene always second
                 _reset(engine)
                 _backlog(engine, args.fair_backlog)
                 with _workers(bench_url, args, fair=fair):
