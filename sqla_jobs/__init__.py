@@ -10,6 +10,7 @@ from ._backoff import Backoff
 from ._batch import Batch, BatchStatus
 from ._batch_admin import BatchSummary
 from ._context import JobContext, current_job
+from ._fair import FairQueue
 from ._limits import limits_table
 from ._models import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, DeadJobMixin, JobMixin
 from ._stats import DeadLetters, QueueLength, QueueStats, RunTime
@@ -46,6 +47,7 @@ __all__ = [
     "DeadJobMixin",
     "DeadLetters",
     "Enqueued",
+    "FairQueue",
     "InvalidJob",
     "JobCancel",
     "JobContext",

@@ -37,6 +37,7 @@ handlers.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable, Mapping
 from typing import Any, Generic, TypeVar
 
 from sqlalchemy import Connection, Engine
@@ -45,6 +46,7 @@ from ._admin import Admin
 from ._async_admin import AsyncAdmin
 from ._backoff import Backoff
 from ._batch_admin import BatchAdmin
+from ._fair import FairQueue, key_filler, make_fair
 from ._fields import add_enqueue_check
 from ._graph import register_tables
 from ._models import DeadJobMixin, JobMixin
@@ -68,6 +70,7 @@ class JobQueue(Registry, Admin[J], BatchAdmin, Generic[J, D]):
         *,
         backoff: Backoff | None = None,
         check_kinds: bool = True,
+        fair: Mapping[str, FairQueue | Mapping[str, int] | None] | Iterable[str] | None = None,
     ) -> None:
         if not (isinstance(job_model, type) and issubclass(job_model, JobMixin)):
             raise ConfigError(f"JobQueue's first argument must be a JobMixin model, got {job_model!r}")
@@ -79,6 +82,10 @@ class JobQueue(Registry, Admin[J], BatchAdmin, Generic[J, D]):
         self._drivers: dict[type[Any], Driver] = {}
         self._aio: AsyncAdmin[J] = AsyncAdmin(self)
         add_enqueue_check(job_model, self.check_job)
+        #: Fair queues (sqla_jobs._fair): their claim takes the keys in turn; every other queue's is unchanged.
+        self.fair = make_fair(fair)
+        if (fill := key_filler(self.fair)) is not None:
+            add_enqueue_check(job_model, fill)
         register_tables(job_model.__table__, dead_model.__table__)  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:

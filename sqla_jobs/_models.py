@@ -49,6 +49,7 @@ from sqlalchemy.orm.attributes import instance_dict
 
 from . import _payload
 from ._batch import BatchOf
+from ._fair import FairKeyed, fair_indexes
 from ._fields import MAX_KIND_LENGTH, MAX_QUEUE_LENGTH, enqueue_checks, int_field, text_field, unique_fields, utc
 from ._graph import DependsOn, check_policy
 from ._payload import MAX_PAYLOAD_BYTES, MAX_PAYLOAD_DEPTH, MAX_PROGRESS_BYTES, MAX_RESULT_BYTES, PayloadType
@@ -105,7 +106,7 @@ def timestamp_type() -> Any:
     return _tz()
 
 
-class _Common:
+class _Common(FairKeyed):
     """Columns both tables share, so a dead job carries everything needed to requeue it."""
 
     max_payload_bytes: ClassVar[int] = MAX_PAYLOAD_BYTES
@@ -318,6 +319,7 @@ class JobMixin(_Common):
             Index(f"ix_{name}_sequence", "sequence_key", "id").ddl_if(dialect=_NO_PARTIAL),
             # Run-time figures and pruning of old finished jobs (NULLs are few and cheap without a WHERE).
             Index(f"ix_{name}_finished", "finished_at", **partial_where("finished_at IS NOT NULL")),
+            *fair_indexes(name),  # fair queues' claim (sqla_jobs._fair)
         ]
 
     @classmethod

@@ -1,4 +1,4 @@
-"""The worker's hot connection (``Store._hot``): its isolation, its commits, and that it leaves the pool clean.
+"""The worker's hot connection (``Store.hot``): its isolation, its commits, and that it leaves the pool clean.
 
 On PostgreSQL it is one autocommit connection; on MariaDB one connection kept at
 READ COMMITTED (no gap locks), each use committed by the store; on SQLite there
@@ -34,7 +34,7 @@ def test_the_hot_connection_has_the_drivers_isolation_and_commits_each_claim(db:
     _enqueue(db, 3)
     store = Store(db.engine, app.queue, sql, "hot-test", 60.0, None)
     try:
-        with store._hot() as conn:
+        with store.hot() as conn:
             if db.backend == "postgresql":
                 assert conn.connection.driver_connection.autocommit is True
             elif db.backend == "mariadb":

@@ -372,27 +372,30 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
 
     refused = project.sqla_jobs("worker", "--app", "jobmodels:queue", "--burst", check=False)
     assert refused.returncode == 2
-    assert ("lacks column(s) cancelled_at, errors, has_dependents, isolate, on_upstream_failure, progress, result, "
-            "sequence_key, trace_context, unique_held, unique_key, unique_states, waiting_for") in refused.stderr
+    assert ("lacks column(s) cancelled_at, errors, fair_key, has_dependents, isolate, on_upstream_failure, progress, "
+            "result, sequence_key, trace_context, unique_held, unique_key, unique_states, "
+            "waiting_for") in refused.stderr
     assert "sqla-jobs migrations render" in refused.stderr
 
     out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_partial_db.url).stdout
     [revision] = project.revisions()
     source = revision.read_text()
-    # Exactly the difference: seventeen columns, the dependencies' table and its index, the batches' table and
-    # its three indexes, the durable jobs' steps table with its index and events table (sqla_jobs._durable),
-    # the sequences' table (sqla_jobs._sequence), six new indexes, the
-    # claim index rebuilt in its new column order, and on PostgreSQL the NOTIFY trigger; nothing else.
+    # Exactly the difference: nineteen columns (sequence_key and fair_key on both tables: sqla_jobs._sequence,
+    # sqla_jobs._fair), the dependencies' table and its index, the batches' table and its three indexes, the durable
+    # jobs' steps table with its index and events table (sqla_jobs._durable), the sequences' table, seven new
+    # indexes (ix_app_tasks_sequence, ix_app_tasks_fair: the fair claim's), the claim index rebuilt in its new
+    # column order, and on PostgreSQL the NOTIFY trigger; nothing else.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
     # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
-    expected = sorted(["add_column"] * 17 + ["create_table"] * 5 + ["create_index"] * 12 + ["drop_index"] + ["get_bind"]
+    expected = sorted(["add_column"] * 19 + ["create_table"] * 5 + ["create_index"] * 13 + ["drop_index"] + ["get_bind"]
                       + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
-        ("app_dead_tasks", "errors"), ("app_dead_tasks", "sequence_key"), ("app_dead_tasks", "trace_context"),
-        ("app_dead_tasks", "unique_key"),
-        ("app_tasks", "cancelled_at"), ("app_tasks", "errors"), ("app_tasks", "has_dependents"),
+        ("app_dead_tasks", "errors"), ("app_dead_tasks", "fair_key"), ("app_dead_tasks", "sequence_key"),
+        ("app_dead_tasks", "trace_context"), ("app_dead_tasks", "unique_key"),
+        ("app_tasks", "cancelled_at"), ("app_tasks", "errors"), ("app_tasks", "fair_key"),
+        ("app_tasks", "has_dependents"),
         ("app_tasks", "isolate"), ("app_tasks", "on_upstream_failure"), ("app_tasks", "progress"),
         ("app_tasks", "result"), ("app_tasks", "sequence_key"), ("app_tasks", "trace_context"),
         ("app_tasks", "unique_held"), ("app_tasks", "unique_key"), ("app_tasks", "unique_states"),
@@ -409,6 +412,7 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     assert "op.create_index('ix_app_tasks_finished'" in upgrade
     assert "op.create_index('ix_app_tasks_cancelled'" in upgrade  # the dashboard's cancelled list (issue 31)
     assert "op.create_index('ix_app_tasks_blocked'" in upgrade  # stats' and the lists' blocked jobs (issue 33)
+    assert "op.create_index('ix_app_tasks_fair'" in upgrade  # fair queues' claim (issue 35)
     assert "add column app_tasks.errors" in out
 
     project.alembic("upgrade", "head")

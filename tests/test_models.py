@@ -110,6 +110,7 @@ def test_table_args_keeps_queue_indexes_and_adds_the_users(db: Database) -> None
         f"ix_my_jobs_{suffix}_unique_key", f"ux_my_jobs_{suffix}_unique", f"ix_my_jobs_{suffix}_kind",
         f"ix_my_jobs_{suffix}_cancelled", f"ix_my_jobs_{suffix}_blocked",  # created only where they can be partial
         f"ix_my_jobs_{suffix}_sequence",
+        f"ix_my_jobs_{suffix}_fair",  # fair queues' claim (sqla_jobs._fair)
     }
     assert {ix.name for ix in MyDead.__table__.indexes} == {  # type: ignore[attr-defined]
         f"ix_my_dead_{suffix}_kind", f"ix_my_dead_{suffix}_queue",

@@ -25,6 +25,7 @@ PUBLIC = [
     "DeadJobMixin",
     "DeadLetters",
     "Enqueued",
+    "FairQueue",
     "InvalidJob",
     "JobCancel",
     "JobContext",

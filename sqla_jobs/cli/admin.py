@@ -191,12 +191,13 @@ def cmd_jobs_list(args: argparse.Namespace) -> int:
     # The progress column only when a listed job has one: most kinds never set it, and the table stays narrow.
     progress = any(r.progress is not None for r in rows)
     sequenced = any(r.sequence_key is not None for r in rows)  # likewise the sequence column (sqla_jobs._sequence)
+    fair = any(r.fair_key is not None for r in rows)  # likewise a fair queue's key (sqla_jobs._fair)
     print_table(
         f"{len(rows)} job(s), newest first{_cut(more, args.limit, '--state, --kind or --queue')}",
-        ["id", "kind", "queue", "state", *(["sequence"] if sequenced else []), "attempts", "run at",
-         *(["progress"] if progress else []), "last error"],
-        [[str(r.id), r.kind, r.queue, r.state, *([r.sequence_key or ""] if sequenced else []),
-          f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
+        ["id", "kind", "queue", *(["fair key"] if fair else []), "state", *(["sequence"] if sequenced else []),
+         "attempts", "run at", *(["progress"] if progress else []), "last error"],
+        [[str(r.id), r.kind, r.queue, *([r.fair_key or ""] if fair else []), r.state,
+          *([r.sequence_key or ""] if sequenced else []), f"{r.attempts}/{r.max_attempts}", str(r.run_at)[:19],
           *([_short_json(r.progress)] if progress else []), _first_line(r.last_error, 60)] for r in rows],
     )
     return 0

@@ -114,6 +114,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from ..bench.graphs import run_graphs
 
         return run_graphs(args)
+    if args.fair:
+        from ..bench.fair import run_fair
+
+        return run_fair(args)
     if args.soak is not None:
         from ..bench.soak import run_soak
 
@@ -276,6 +280,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "(what they hold, and all woken by one transaction)")
     p.add_argument("--waiters", type=positive(int), default=10_000, metavar="N",
                    help="with --durable: the jobs parked each waiting for its own event (default 10000)")
+    p.add_argument("--fair", action="store_true",
+                   help="instead: a fair queue: tenant A's backlog of --fair-backlog jobs while tenants B..K each "
+                        "enqueue a job every 100 ms: their pickup latency, A's drain rate, fair and not, and the "
+                        "claim's cost with 10,000 keys")
+    p.add_argument("--fair-backlog", type=positive(int), default=100_000, metavar="N",
+                   help="with --fair: tenant A's pending jobs (default 100000)")
+    p.add_argument("--fair-window", type=float, default=5.0, metavar="SECONDS",
+                   help="with --fair: how long B..K enqueue in each scene (default 5)")
     p.set_defaults(func=cmd_bench)
     p = sub.add_parser("stats", help="queue length, oldest pending age, dead letters, run times")
     common_options(p)

@@ -10,7 +10,7 @@ __all__ = ["DEAD_COLUMNS", "AsyncListener", "Claimed", "Fence", "Listener"]
 Fence = tuple[int, str]  # (job id, claim token)
 #: What a dead-lettered job carries over from its row (its unique key for the record only: it holds nothing there).
 DEAD_COLUMNS = ("id", "kind", "queue", "payload", "priority", "attempts", "max_attempts", "created_at", "run_at",
-                "unique_key", "trace_context", "sequence_key")
+                "unique_key", "trace_context", "sequence_key", "fair_key")
 
 
 @dataclass(slots=True)  # not frozen: frozen dataclasses are several times slower to build

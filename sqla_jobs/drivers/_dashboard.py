@@ -82,7 +82,7 @@ def job_page(
     t = driver.jobs
     columns = (
         t.c.id, t.c.kind, t.c.queue, t.c.state, t.c.attempts, t.c.max_attempts, t.c.priority,
-        t.c.created_at, t.c.run_at, t.c.finished_at, t.c.locked_by, t.c.unique_key, t.c.sequence_key,
+        t.c.created_at, t.c.run_at, t.c.finished_at, t.c.locked_by, t.c.unique_key, t.c.sequence_key, t.c.fair_key,
         func.substr(t.c.last_error, 1, ERROR_PREVIEW).label("last_error"),
     )
     filters: list[ColumnElement[bool]] = []

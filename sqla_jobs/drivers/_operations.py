@@ -128,15 +128,11 @@ class Operations:
             insert(t),
             [
                 {
-                    "id": r.id,
-                    "kind": r.kind,
-                    "queue": r.queue,
-                    "payload": r.payload,
-                    "priority": r.priority,
-                    "max_attempts": r.max_attempts,
-                    "created_at": r.created_at,
+                    "id": r.id, "kind": r.kind, "queue": r.queue, "payload": r.payload, "priority": r.priority,
+                    "max_attempts": r.max_attempts, "created_at": r.created_at,
                     "trace_context": r.trace_context,  # the request that enqueued it: its first run is its child
                     "sequence_key": r.sequence_key,  # for people: its edges, not the key, keep its place
+                    "fair_key": r.fair_key,
                     "state": "pending", "attempts": 0,
                     "last_error": truncate(f"{r.last_error}\n[{note}]"),
                     "errors": requeued_errors(r.errors),

@@ -42,6 +42,7 @@ from ._batches import Batches
 from ._claimed import DEAD_COLUMNS, AsyncListener, Claimed, Fence, Listener
 from ._durable import Durable
 from ._endings import Endings
+from ._fair import Fairness
 from ._graph import Graph
 from ._operations import MAX_ERROR_LENGTH, Operations, truncate
 from ._percentile import percentile, run_times_in_python
@@ -73,7 +74,7 @@ _SEQUENCED = ("sequence_key", "state", "waiting_for", "on_upstream_failure")
 
 
 # Sequences before Operations: its ``cancel`` splices a sequence, then runs the plain one.
-class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durable):
+class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durable, Fairness):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and
@@ -94,6 +95,8 @@ class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Bat
         #: Finishing deletes the job instead of keeping it ``finished``: set on a worker's own copy
         #: (``discarding_finished``) when it keeps no finished jobs (``prune_after=0``).
         self.discard_finished = False
+        #: Queues the plain claim leaves out: fair queues, claimed by ``claim_fair`` (set on a worker's own copy).
+        self.skip_queues: list[str] = []
 
     def discarding_finished(self) -> Driver:
         """A copy of this driver whose ``finish`` (and fused finish-and-claim) deletes the jobs it finishes.
@@ -106,6 +109,12 @@ class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Bat
         discarding = copy.copy(self)
         discarding.discard_finished = True
         return discarding
+
+    def skipping_queues(self, names: Sequence[str]) -> Driver:
+        """A copy of this driver whose plain claim leaves out the queues ``names`` (a worker's fair queues)."""
+        skipping = copy.copy(self)
+        skipping.skip_queues = sorted(names)
+        return skipping
 
     # -- capabilities ----------------------------------------------------------
 

@@ -263,6 +263,8 @@ class SQLiteDriver(Driver):
             due = due.where(t.c.queue.in_(queues))
         if skip_kinds:
             due = due.where(t.c.kind.not_in(list(skip_kinds)))
+        if self.skip_queues:  # fair queues, claimed by drivers/_fair.py
+            due = due.where(t.c.queue.not_in(self.skip_queues))
         window = list(conn.execute(due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)))
         isolated = [r.id for r in window if r.isolate]
         if alone and isolated:

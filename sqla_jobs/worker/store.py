@@ -26,6 +26,7 @@ from ..drivers import connect_at
 from ..drivers._limits import claim_limited, ensure_rows
 from ..drivers.base import Claimed, Driver, Fence
 from .executor import Outcome
+from .fair_turns import fair_turns
 from .outcomes import hand_back_lost, hand_back_unfinished, park_delay, settle
 from .reconnect import retry_pause
 
@@ -63,6 +64,13 @@ class Store:
         self.limits = queue.kind_limits()
         self.limited_kinds = [lim.kind for lim in self.limits]
         self.limits_table = limits_table(queue) if self.limits else None
+        #: Fair queues this worker claims from (sqla_jobs._fair): each its own claim, turn about with the plain
+        #: claim, which leaves them out; each with the last key this worker served (its cursor in the ring).
+        self.fair = {name: spec for name, spec in queue.fair.items() if self.queues is None or name in self.queues}
+        self.cursors = dict.fromkeys(self.fair, "")
+        self.fair_turn = 0
+        if self.fair:
+            self.driver = driver.skipping_queues(list(self.fair))
         self._capped_only = all(lim.running is not None and lim.key is None and not lim.rate_count
                                 for lim in self.limits)
 
@@ -109,7 +117,7 @@ class Store:
             self.hold_reaper()
 
     @contextmanager
-    def _hot(self) -> Iterator[Connection]:
+    def hot(self) -> Iterator[Connection]:
         """The connection for the worker's short writes (claim, finish, heartbeat, release); see ``waited``."""
         began = time.monotonic()
         try:
@@ -166,12 +174,22 @@ class Store:
         ``plain``: with limits, whether to make the ordinary claim (of the kinds without limits) too.
         Returns the claimed jobs, whether a job that must run alone is waiting, and whether the ordinary
         claim, made beside limits, found fewer jobs than it asked for (always False without limits).
+        With fair queues among ``queues``, each has a claim of its own (``Driver.claim_fair``); they and the
+        plain claim take turns at going first, so none of them starves the others of the worker's threads.
         """
         queues = queues if queues is not None else self.queues
+        fair = [name for name in self.fair if queues is None or name in queues] if limit > 0 else []
+        if not fair:
+            return self.finish_and_claim_plain(ok, limit, token, alone, queues, plain)
+        return fair_turns(self, fair, ok, limit, token, alone, queues, plain)
+
+    def finish_and_claim_plain(self, ok: list[Outcome], limit: int, token: str, alone: bool,
+                               queues: Sequence[str] | None, plain: bool) -> tuple[list[Claimed], bool, bool]:
+        """``finish_and_claim`` without fair queues: the plain claim (and the limited kinds'), as always."""
         fences = [o.job.fence for o in ok]
         short = False
         if self.limits_table is None or limit <= 0:  # no limits (or no claim): the one round trip it always was
-            with self._hot() as conn:
+            with self.hot() as conn:
                 kept, jobs, waiting = self.driver.finish_and_claim(
                     conn, fences, limit, self.worker_name, token, self.lease, queues, alone=alone,
                     skip_kinds=self.limited_kinds, upstreams=[o.job.id for o in ok if o.job.has_dependents],
@@ -194,11 +212,15 @@ class Store:
                     )
                     short = len(others) < wanted
                     jobs, waiting = jobs + others, waiting or others_waiting
+        self.report_finished(ok, kept)
+        return jobs, waiting, short
+
+    def report_finished(self, ok: list[Outcome], kept: set[int]) -> None:
+        """After a finish of ``ok`` that kept ``kept``: finish those it declined, report each run."""
         kept = self.finish_declined(ok, kept)
         for o in ok:
             o.written = True
             self.report(o, "finished" if o.job.id in kept else "lost")
-        return jobs, waiting, short
 
     def finish_declined(self, ok: list[Outcome], kept: set[int]) -> set[int]:
         """``kept`` plus those of ``ok`` a one-statement finish left (PostgreSQL's hot statement leaves a job
@@ -214,10 +236,10 @@ class Store:
                 plain: bool) -> tuple[set[int], list[Claimed], bool, bool] | None:
         """``finish_and_claim`` the backend's faster way, when it has one and every limit is a plain running
         limit (PostgreSQL: one pipeline on the hot connection, drivers/postgresql/capped.py); None: it has not."""
-        if not self._capped_only or self.driver.hot_isolation != "AUTOCOMMIT":
+        if not self._capped_only or self.driver.hot_isolation != "AUTOCOMMIT" or self.driver.skip_queues:
             return None
         assert self.limits_table is not None
-        with self._hot() as conn:
+        with self.hot() as conn:
             fast = self.driver.finish_and_claim_capped(conn, fences, self.limits_table, self.limits, limit,
                                                     self.worker_name, token, self.lease, queues, alone, plain)
         if fast is None:
@@ -239,23 +261,23 @@ class Store:
 
     def heartbeat(self, fences: list[Fence]) -> tuple[set[Fence], set[Fence]]:
         """Extend the leases of ``fences``; returns those still ours, and those of them someone asked to cancel."""
-        with self._hot() as conn:
+        with self.hot() as conn:
             kept = self.driver.heartbeat(conn, fences, self.lease)
             return kept, self.driver.cancel_requests(conn, list(kept)) if kept else set()
 
     def cancel_requests(self, fences: list[Fence]) -> set[Fence]:
         """Which of these runs someone asked to cancel (between heartbeats, after a notification)."""
-        with self._hot() as conn:
+        with self.hot() as conn:
             return self.driver.cancel_requests(conn, fences)
 
     def write_progress(self, rows: list[tuple[Fence, Any]]) -> None:
         """Store the latest progress values of running jobs (fenced: a run no longer ours is skipped)."""
-        with self._hot() as conn:
+        with self.hot() as conn:
             self.driver.set_progress(conn, rows)
 
     def hand_back(self, fences: list[Fence]) -> int:
         """Shutdown: hand the runs still going back to the queue (the outcome policy's ``shutdown``)."""
-        with self._hot() as conn:
+        with self.hot() as conn:
             return hand_back_unfinished(self.driver, conn, fences)
 
     def hand_back_strays(self, known: Sequence[Fence]) -> int:

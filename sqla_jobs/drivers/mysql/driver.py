@@ -194,6 +194,8 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
             due = due.where(t.c.queue.in_(list(queues)))
         if skip_kinds:
             due = due.where(t.c.kind.not_in(list(skip_kinds)))
+        if self.skip_queues:  # fair queues, claimed by drivers/_fair.py
+            due = due.where(t.c.queue.not_in(self.skip_queues))
         due = due.order_by(t.c.priority.desc(), t.c.run_at, t.c.id).limit(limit)
         window = list(conn.execute(due.with_for_update(skip_locked=True)))  # in claim order
         isolated = [r for r in window if r.isolate]
@@ -317,6 +319,7 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
                     "attempts": 0, "max_attempts": r.max_attempts, "created_at": r.created_at, "state": "pending",
                     "last_error": truncate(f"{r.last_error}\n[{note}]"), "errors": requeued_errors(r.errors),
                     "trace_context": r.trace_context, "sequence_key": r.sequence_key,
+                    "fair_key": r.fair_key,
                 }
                 for r in rows
             ],

@@ -44,7 +44,7 @@ from .._durable import emit_statement, upsert_statement
 from .._graph import SKIPPED
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
-from . import capped, handoff, keepalive, moves, partitions
+from . import capped, fair, handoff, keepalive, moves, partitions
 from .async_listen import PgAsyncListener
 from .bench import PgBench
 from .claim import CLAIMED, run_claim
@@ -73,10 +73,6 @@ __all__ = ["PostgreSQLDriver", "notify_channel", "notify_trigger_ddl", "notify_t
 # jobs (Driver.discarding_finished) deletes them in `done` instead. A job that others depend on is
 # finished here only when the worker names it, and its dependents are counted down by the next statement
 # of the transaction; else it is left to Driver.finish (handoff.py says why).
-_PG_FINISH = {
-    False: "UPDATE {table} AS j SET state = 'finished', finished_at = now(), lease_expires_at = NULL\n    FROM",
-    True: "DELETE FROM {table} AS j USING",
-}
 _PG_FINISH_AND_CLAIM = """
 WITH done AS (
     {finish} (
@@ -101,7 +97,7 @@ WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
 
 
-class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode, moves.MovedRows):
+class PostgreSQLDriver(fair.PgFair, PgSchema, PgVacuum, PgBench, PartitionedMode, moves.MovedRows):
     """PostgreSQL: see the module docstring; the partitioned mode's methods are in ``pg_partitions``."""
 
     name = "postgresql"
@@ -112,19 +108,19 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode, moves.Moved
     def __init__(self, jobs: Table, dead: Table, dbapi: str | None = None) -> None:
         super().__init__(jobs, dead, dbapi)
         self._channel = notify_channel(jobs)
-        # Sixteen variants: by queue or not; skipping limited kinds or not (the statement without limits
-        # is unchanged: kinds with limits are claimed by drivers/_limits.py in the same transaction);
+        # 64 variants: by queue or not; skipping limited kinds (bit 1: claimed by drivers/_limits.py in the same
+        # transaction) and fair queues (bit 2: fair.py), or not: without either the statement is unchanged;
         # a plain table or a partitioned one (pg_partitions), claimed from its live partition named
         # directly: a state filter on the parent would let the planner walk the pending index in the UPDATE;
-        # finishing by UPDATE or, for a worker that keeps no finished jobs, by DELETE.
-        # Twice that: finishing the jobs with dependents the worker names (handoff.py), or leaving them all.
+        # finishing by UPDATE or by DELETE (a worker that keeps no finished jobs); finishing the jobs with
+        # dependents the worker names (handoff.py), or leaving them all.
         self._pg_hot = {(by_queue, skip, parted, discard, named): _PG_FINISH_AND_CLAIM.format(
-            finish=_PG_FINISH[discard].format(table=pg_name(jobs)),
+            finish=fair.FINISH[discard].format(table=pg_name(jobs)),
             live=partitions.live_name(jobs) if parted else pg_name(jobs),
             queue_filter="AND queue = ANY(%(queues)s::text[])" if by_queue else "",
-            skip_filter=" AND kind <> ALL(%(skip)s::text[])" if skip else "",
+            skip_filter=fair.SKIP_FILTERS[skip],
             dependents=handoff.TAKE_FLAGGED if named else handoff.DECLINE,
-        ) for by_queue in (False, True) for skip in (False, True) for parted in (False, True)
+        ) for by_queue in (False, True) for skip in range(4) for parted in (False, True)
             for discard in (False, True) for named in (False, True)}
         self._handoff = handoff.handoff_sql(jobs, self.edges)
 
@@ -263,14 +259,14 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode, moves.Moved
             "lease": float(lease),
             "queues": list(queues or ()),
             "alone": alone,
-            "skip": list(skip_kinds),
+            "skip": list(skip_kinds), "skip_queues": self.skip_queues,
             "flagged": ",".join(map(str, upstreams)) if named else "",
         }
         # The driver's cursor directly: this runs once per batch, and SQLAlchemy's
         # result machinery was a fifth of the worker's time. Errors are wrapped
         # back into SQLAlchemy's, which is what the worker's retry loop expects.
-        sql = self._pg_hot[bool(queues), bool(skip_kinds), partitions.is_partitioned(conn, self.jobs),
-                           self.discard_finished, named]
+        sql = self._pg_hot[bool(queues), bool(skip_kinds) | (2 if self.skip_queues else 0),
+                           partitions.is_partitioned(conn, self.jobs), self.discard_finished, named]
         after = (self._handoff, {"flagged": params["flagged"], "channel": self._channel,
                                  "skipped": SKIPPED}) if named else None
         if not conn.in_transaction():
@@ -331,7 +327,7 @@ class PostgreSQLDriver(PgSchema, PgVacuum, PgBench, PartitionedMode, moves.Moved
     def _pg_hot_for(self, conn: Connection, queues: Sequence[str] | None) -> str:
         """The worker's claim statement skipping the limited kinds."""
         parted = partitions.is_partitioned(conn, self.jobs)
-        return self._pg_hot[bool(queues), True, parted, self.discard_finished, False]
+        return self._pg_hot[bool(queues), 1 | (2 if self.skip_queues else 0), parted, self.discard_finished, False]
 
     def insert_many(self, conn: Connection, rows: list[dict[str, Any]]) -> None:
         """COPY, the fastest way in."""

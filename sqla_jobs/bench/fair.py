@@ -1,0 +1,195 @@
+"""``sqla-jobs bench --fair``: a fair queue (``sqla_jobs._fair``) under one tenant's backlog.
+
+::
+
+    sqla-jobs bench --fair --url postgresql+psycopg://user@host/db --fair-backlog 100000 --runs 3
+
+Each run measures three scenes on queue ``tenants`` with the same worker processes (``--processes`` x
+``--concurrency``), tenants B…K each enqueueing one job every 100 ms for ``--fair-window`` seconds:
+
+* **idle**: B…K alone: their pickup latency (the claim's ``locked_at`` less the row's ``created_at``, both
+  the database clock), the reference;
+* **fair**: tenant A first holds ``--fair-backlog`` pending jobs and the queue is fair: B…K's latency, and
+  A's drain rate over the window (its finished jobs per second);
+* **unfair**: the same backlog, the queue not fair (today's oldest-first claim): A's drain rate, and how
+  many of B…K's jobs were picked up at all within the window.
+
+Then the claim's own cost: ``--batch-size`` jobs claimed (in-process, one transaction each) from a fair
+queue holding 10,000 distinct keys, beside the plain claim of an equal backlog without fairness.
+Reported: medians over ``--runs``; the goals are B…K's fair p99 within 2x their idle p99 and A's fair
+rate at least 80 % of its unfair rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing as mp
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, func, insert, select
+from sqlalchemy.engine import URL
+
+from .._app import JobQueue
+from ..worker.config import WorkerConfig
+from ..worker.worker import Worker
+from .app import BenchDeadJob, BenchJob, queue
+from .run import Figures, _pct, _reset, reachable, scratch
+
+__all__ = ["run_fair"]
+
+QUEUE = "tenants"
+SMALL = [chr(c) for c in range(ord("B"), ord("K") + 1)]  # ten tenants
+#: The same tables and handler as the bench's app, with queue ``tenants`` fair.
+fair_queue: JobQueue[BenchJob, BenchDeadJob] = JobQueue(BenchJob, BenchDeadJob, check_kinds=False, fair=[QUEUE])
+fair_queue.handler("noop")(lambda payload: None)
+
+
+def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int | None, fair: bool) -> None:
+    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
+    # Workers of queue `tenants` only, fair or not, as a deployment that gives a fair queue its own workers.
+    config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, queues=(QUEUE,))
+    engine = create_engine(url, pool_size=config.pool_size)
+    poll = 0.5 if queue.driver(engine).supports_listen else 0.02
+    worker = Worker._from_config(engine, fair_queue if fair else queue, dataclasses.replace(config, poll_interval=poll))
+    ready.set()
+    worker.run()
+
+
+@contextmanager
+def _workers(url: URL, args: argparse.Namespace, fair: bool) -> Iterator[None]:
+    ctx = mp.get_context("spawn")
+    readies = [ctx.Event() for _ in range(args.processes)]
+    rendered = url.render_as_string(hide_password=False)
+    procs = [ctx.Process(target=_worker_main, args=(rendered, args.concurrency, r, args.batch_size, fair))
+             for r in readies]
+    for p in procs:
+        p.start()
+    try:
+        for r in readies:
+            r.wait(60)
+        time.sleep(0.5)
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.join(30)
+
+
+def _backlog(engine: Engine, n: int, keys: int = 1, queue_name: str = QUEUE) -> None:
+    """``n`` pending jobs, their keys ``A`` (one key) or ``k0``… (``keys`` of them, round the keys)."""
+    t = BenchJob.__table__
+    with engine.begin() as conn:
+        for start in range(0, n, 5000):
+            conn.execute(insert(t), [{"kind": "noop", "queue": queue_name, "payload": {},
+                                      "fair_key": "A" if keys == 1 else f"k{i % keys:05d}"}
+                                     for i in range(start, min(n, start + 5000))])
+
+
+def _count(engine: Engine, *where: Any) -> int:
+    with engine.connect() as conn:
+        return int(conn.execute(select(func.count()).select_from(BenchJob).where(*where)).scalar_one())
+
+
+def _scene(engine: Engine, window: float) -> tuple[float, list[float], int, int]:
+    """Tenants B…K enqueue one job each every 100 ms for ``window`` s: (A's jobs finished a second meanwhile,
+    B…K's pickup latencies in ms, their jobs enqueued, those picked up by the window's end)."""
+    t = BenchJob.__table__
+    a_done = (t.c.fair_key == "A", t.c.state == "finished")
+    stop = threading.Event()
+
+    def produce() -> None:
+        i = 0
+        while not stop.is_set():
+            with engine.begin() as conn:
+                conn.execute(insert(t).values(kind="noop", queue=QUEUE, payload={}, fair_key=SMALL[i % len(SMALL)]))
+            i += 1
+            stop.wait(max(0.0, began + i * 0.1 / len(SMALL) - time.perf_counter()))
+
+    before = _count(engine, *a_done)
+    began = time.perf_counter()
+    producer = threading.Thread(target=produce)
+    producer.start()
+    time.sleep(window)
+    stop.set()
+    producer.join()
+    rate = (_count(engine, *a_done) - before) / (time.perf_counter() - began)
+    small = t.c.fair_key.in_(SMALL)
+    time.sleep(1.0)  # the last ones' pickup
+    driver = queue.driver(engine)
+    with engine.connect() as conn:
+        sent = int(conn.execute(select(func.count()).where(small)).scalar_one())
+        waits = [float(w) * 1000 for (w,) in conn.execute(
+            select(driver.seconds_between(t.c.locked_at, t.c.created_at)).where(small, t.c.locked_at.is_not(None)))]
+    return rate, waits, sent, len(waits)
+
+
+def _claim_cost(engine: Engine, limit: int, fair: bool, claims: int = 50) -> float:
+    """Milliseconds per claim of ``limit`` jobs, in-process, one write transaction each."""
+    driver = queue.driver(engine)
+    cursor, took = "", 0.0
+    for n in range(claims + 5):  # the first 5 unmeasured: the driver prepares a statement on its 5th run
+        began = time.perf_counter()
+        with driver.write(engine) as conn:
+            if fair:
+                _, _, cursor = driver.claim_fair(conn, QUEUE, {}, cursor, limit, "bench", uuid.uuid4().hex, 60.0,
+                                                 False)
+            else:
+                driver.claim(conn, limit, "bench", uuid.uuid4().hex, 60.0, None)
+        took += time.perf_counter() - began if n >= 5 else 0.0
+    return took / claims * 1000
+
+
+def run_fair(args: argparse.Namespace) -> int:
+    url = reachable(args.url)
+    figures = Figures()
+    record = figures.record
+    window = args.fair_window
+    limit = args.batch_size or args.concurrency
+    with scratch(url) as bench_url:
+        engine = create_engine(bench_url, pool_size=4)
+        for run in range(args.runs):
+            _reset(engine)
+            with _workers(bench_url, args, fair=True):
+                _, idle, _, _ = _scene(engine, window)
+            record("B..K pickup p50, idle queue (ms)", _pct(idle, 50))
+            record("B..K pickup p99, idle queue (ms)", _pct(idle, 99))
+            for fair in (True, False) if run % 2 == 0 else (False, True):  # neither scene always second
+                _reset(engine)
+                _backlog(engine, args.fair_backlog)
+                with _workers(bench_url, args, fair=fair):
+                    rate, waits, sent, picked = _scene(engine, window)
+                name = "fair" if fair else "unfair"
+                record(f"A drain, {name} (jobs/s)", rate)
+                record(f"B..K picked up within the window, {name} (%)", 100.0 * picked / max(sent, 1))
+                if fair:
+                    record("B..K pickup p50, fair, A's backlog (ms)", _pct(waits, 50))
+                    record("B..K pickup p99, fair, A's backlog (ms)", _pct(waits, 99))
+            for fair in (True, False):
+                _reset(engine)
+                _backlog(engine, 30_000, keys=10_000 if fair else 1, queue_name=QUEUE if fair else "default")
+                name = "fair, 10,000 keys" if fair else "plain"
+                record(f"claim of {limit}, {name} (ms)", _claim_cost(engine, limit, fair))
+            print(f"run {run + 1}/{args.runs} done", flush=True)
+        engine.dispose()
+    summary = figures.medians()
+    summary["B..K p99: fair with backlog / idle"] = (summary["B..K pickup p99, fair, A's backlog (ms)"]
+                                                    / max(summary["B..K pickup p99, idle queue (ms)"], 1e-9))
+    summary["A drain: fair / unfair"] = (summary["A drain, fair (jobs/s)"]
+                                         / max(summary["A drain, unfair (jobs/s)"], 1e-9))
+    if args.json:
+        figures.print_json(args, summary)
+    else:
+        print(f"\nsqla-jobs bench --fair on {url.get_backend_name()}: A holds {args.fair_backlog} jobs, B..K one "
+              f"each every 100 ms for {window:g}s; {args.processes} process(es) x {args.concurrency} threads, "
+              f"batch {limit}, median of {args.runs} run(s)")
+        for name, value in summary.items():
+            print(f"  {name:<53} {value:>12,.2f}")
+    return 0

@@ -1,0 +1,111 @@
+"""Fair queues end to end: worker processes on every backend run each job once, and a small tenant's jobs are
+not stuck behind a big one's backlog. The claim's own order is tested in tests/drivers/test_fair.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from sqla_jobs import FairQueue, JobQueue
+from sqla_jobs.errors import ConfigError, InvalidJob
+from tests import app, fair_app, forkserver
+from tests.conftest import ROOT, Database, run_cli
+from tests.dashboard_helpers import client
+from tests.helpers import enqueue
+from tests.test_limits import _stop
+
+
+def _workers(db: Database, n: int, logs: Path) -> list[forkserver.Popen]:
+    """``n`` worker processes of tests.fair_app, up and running (their logs in files: see test_limits)."""
+    command = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", "tests.fair_app:queue",
+               "--poll-interval", "0.05", "--concurrency", "2"]
+    workers = []
+    for i in range(n):
+        with open(logs / f"worker-{i}.log", "w") as log:
+            workers.append(forkserver.Popen(command, env=db.env(), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log,
+                                            text=True))
+    ends = time.monotonic() + 60
+    try:
+        for i, worker in enumerate(workers):
+            while "started" not in (logs / f"worker-{i}.log").read_text():
+                assert worker.poll() is None, (logs / f"worker-{i}.log").read_text()
+                assert time.monotonic() < ends, "workers did not start within 60 s"
+                time.sleep(0.05)
+    except BaseException:
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+        raise
+    return workers
+
+
+def test_four_processes_share_a_fair_queue_between_tenants(db: Database, tmp_path: Path) -> None:
+    """4 processes x 2 threads. Tenant ``big`` enqueues 240 jobs, then 6 small tenants 3 each, and 6 jobs come
+    with no key; oldest-first, every small job would wait for the whole backlog. Fairly, each small job starts
+    within the first 60 % of the queue's starts, and every job (plus a plain queue's) runs exactly once."""
+    fair_app.metadata.create_all(db.engine)
+    workers = _workers(db, 4, tmp_path)
+    try:
+        with Session(db.engine) as session, session.begin():
+            session.add_all([app.Job(kind="noop", queue="fair", fair_key="big",
+                                     payload={"key": "big", "sleep": 0.01}) for _ in range(240)])
+            session.flush()  # the backlog is older than every small job
+            session.add_all([app.Job(kind="noop", queue="fair", payload={"tenant": f"t{i}", "key": f"t{i}"})
+                             for i in range(6) for _ in range(3)])
+            session.add_all([app.Job(kind="noop", queue="fair", payload={}) for _ in range(6)])
+            session.add_all([app.Job(kind="noop", queue="plain", payload={}) for _ in range(10)])
+        t = app.Job.__table__
+        ends = time.monotonic() + 120
+        while True:
+            with db.engine.connect() as conn:
+                done = conn.execute(select(func.count()).where(t.c.state == "finished")).scalar()
+            if done == 274:
+                break
+            if time.monotonic() > ends:
+                with db.engine.connect() as conn:
+                    left = conn.execute(select(t.c.queue, t.c.fair_key, t.c.state, func.count())
+                                        .where(t.c.state != "finished").group_by(t.c.queue, t.c.fair_key, t.c.state))
+                    pytest.fail(f"only {done} of 274 jobs finished in 120 s; left: {left.all()}")
+            time.sleep(0.2)
+    finally:
+        _stop(workers, tmp_path)
+    r = fair_app.runs
+    with db.engine.connect() as conn:
+        runs = conn.execute(select(r.c.job_id, r.c.queue, r.c.key, r.c.started).order_by(r.c.started)).all()
+        keys = dict(conn.execute(select(t.c.id, t.c.fair_key)).all())
+    assert sorted(run.job_id for run in runs) == sorted(keys)  # each job ran once
+    assert {keys[run.job_id] for run in runs if run.key and run.key.startswith("t")} == {f"t{i}" for i in range(6)}
+    fair = [run for run in runs if run.queue == "fair"]
+    last_small = max(i for i, run in enumerate(fair) if run.key != "big")
+    print(f"\n{db.backend}: the last small tenant's job started {last_small + 1}st of {len(fair)}")
+    assert last_small < 0.6 * len(fair), [run.key for run in fair]
+
+
+def test_fair_settings_and_keys_are_checked() -> None:
+    with pytest.raises(ConfigError, match="weight"):
+        JobQueue(app.Job, app.DeadJob, check_kinds=False, fair={"q": {"a": 0}})
+    with pytest.raises(ConfigError, match="queue names"):
+        JobQueue(app.Job, app.DeadJob, check_kinds=False, fair=[""])
+    assert JobQueue(app.Job, app.DeadJob, check_kinds=False, fair=["q"]).fair == {"q": FairQueue()}
+    with pytest.raises(InvalidJob, match="fair_key"):
+        app.Job(kind="noop", fair_key="")
+    with pytest.raises(InvalidJob, match="fair_key"):
+        app.Job(kind="noop", fair_key="x" * 129)
+
+
+def test_the_key_is_shown_where_jobs_are_listed(db: Database) -> None:
+    """``jobs list`` (a column while a listed job has a key), ``jobs show`` and the dashboard's lists and job page."""
+    keyed = enqueue(db.engine, "noop", queue="fair", fair_key="tenant-7")
+    listed = run_cli("jobs", "list", "--app", "tests.app:queue", env=db.env())
+    assert "fair key" in listed.stdout and "tenant-7" in listed.stdout
+    shown = json.loads(run_cli("jobs", "show", str(keyed), "--json", "--app", "tests.app:queue", env=db.env()).stdout)
+    assert shown["fair_key"] == "tenant-7"
+    web = client(db)
+    assert "tenant-7" in web.get("/jobs").text and "tenant-7" in web.get(f"/jobs/{keyed}").text
