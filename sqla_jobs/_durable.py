@@ -46,6 +46,7 @@ from __future__ import annotations
 import inspect
 import json
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import TYPE_CHECKING, Any, Protocol
@@ -72,6 +73,7 @@ class DurableStore(Protocol):
     driver: Driver
     step_limit: int
     kinds: set[str]  # the kinds whose runs read their steps: a worker reads theirs with the claim (``prefetch``)
+    tracing: Any  # the app's (``sqla_jobs.otel``): each step, sleep and wait a span; None: off
 
     def read(self, action: Callable[[Connection], Any]) -> Any: ...
     def write(self, action: Callable[[Connection], Any]) -> Any: ...
@@ -183,24 +185,43 @@ async def _save_async(ctx: RunContext, name: str, value: Any, started: datetime)
 # -- steps -------------------------------------------------------------------------------------
 
 
+def _span(ctx: RunContext, what: str, name: str, **attributes: Any) -> Any:
+    """The span of a step, sleep or wait when the app is traced (``sqla_jobs.otel``); a no-op otherwise."""
+    tracing = getattr(_store(ctx), "tracing", None)
+    return nullcontext(None) if tracing is None else tracing.step(what, name, attributes)
+
+
+def _outcome(span: Any, outcome: str) -> None:
+    if span is not None:
+        span.set_attribute("sqla_jobs.step.outcome", outcome)
+
+
 def step(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     row = _claim(ctx, _book(ctx), check_name(name))
-    if row is not None and row.finished_at is not None:
-        return row.value
-    started = utcnow()
-    return _save(ctx, name, _checked(ctx, fn(*args, **kwargs), name), started)
+    with _span(ctx, "step", name) as span:
+        if row is not None and row.finished_at is not None:
+            _outcome(span, "replayed")
+            return row.value
+        started = utcnow()
+        value = _save(ctx, name, _checked(ctx, fn(*args, **kwargs), name), started)
+        _outcome(span, "ran")
+        return value
 
 
 async def step_async(ctx: RunContext, name: str, fn: Callable[..., Any], args: tuple[Any, ...],
                      kwargs: dict[str, Any]) -> Any:
     row = _claim(ctx, await _book_async(ctx), check_name(name))
-    if row is not None and row.finished_at is not None:
-        return row.value
-    started = utcnow()
-    value = fn(*args, **kwargs)
-    if inspect.isawaitable(value):
-        value = await value
-    return await _save_async(ctx, name, _checked(ctx, value, name), started)
+    with _span(ctx, "step", name) as span:
+        if row is not None and row.finished_at is not None:
+            _outcome(span, "replayed")
+            return row.value
+        started = utcnow()
+        value = fn(*args, **kwargs)
+        if inspect.isawaitable(value):
+            value = await value
+        value = await _save_async(ctx, name, _checked(ctx, value, name), started)
+        _outcome(span, "ran")
+        return value
 
 
 # -- sleeps and waits --------------------------------------------------------------------------
@@ -240,31 +261,44 @@ def _decide(row: Any, stop: Stop, event: Any) -> tuple[str, Any]:
     return "park", until
 
 
-def _act(ctx: RunContext, stop: Stop, verdict: tuple[str, Any]) -> tuple[bool, Any]:
+def _act(ctx: RunContext, stop: Stop, verdict: tuple[str, Any], event: Any, span: Any) -> tuple[bool, Any]:
     how, value = verdict
     if how == "park":
+        _outcome(span, "parked")
+        if span is not None:
+            span.set_attribute("sqla_jobs.step.until", value.isoformat())
         raise JobParked(stop.name, value, utcnow(), stop.key)
+    _outcome(span, "passed" if how == "passed" else "event" if event is not None else
+             "timed out" if stop.key is not None else "woke")
     return how == "save", value
+
+
+def _stop_span(ctx: RunContext, stop: Stop) -> Any:
+    if stop.key is None:
+        return _span(ctx, "sleep", stop.name)
+    return _span(ctx, "wait", stop.key, **{"sqla_jobs.event.key": stop.key})
 
 
 def pass_stop(ctx: RunContext, stop: Stop) -> Any:
     store = _store(ctx)
     row = _claim(ctx, _book(ctx), stop.name)
-    event = None
-    if stop.key is not None and (row is None or row.finished_at is None):
-        event = store.read(lambda conn: store.driver.event(conn, stop.key))
-    save, value = _act(ctx, stop, _decide(row, stop, event))
-    return _save(ctx, stop.name, value, utcnow()) if save else value
+    with _stop_span(ctx, stop) as span:
+        event = None
+        if stop.key is not None and (row is None or row.finished_at is None):
+            event = store.read(lambda conn: store.driver.event(conn, stop.key))
+        save, value = _act(ctx, stop, _decide(row, stop, event), event, span)
+        return _save(ctx, stop.name, value, utcnow()) if save else value
 
 
 async def pass_stop_async(ctx: RunContext, stop: Stop) -> Any:
     store = _store(ctx)
     row = _claim(ctx, await _book_async(ctx), stop.name)
-    event = None
-    if stop.key is not None and (row is None or row.finished_at is None):
-        event = await store.read_async(lambda conn: store.driver.event(conn, stop.key))
-    save, value = _act(ctx, stop, _decide(row, stop, event))
-    return await _save_async(ctx, stop.name, value, utcnow()) if save else value
+    with _stop_span(ctx, stop) as span:
+        event = None
+        if stop.key is not None and (row is None or row.finished_at is None):
+            event = await store.read_async(lambda conn: store.driver.event(conn, stop.key))
+        save, value = _act(ctx, stop, _decide(row, stop, event), event, span)
+        return await _save_async(ctx, stop.name, value, utcnow()) if save else value
 
 
 def sleep(ctx: RunContext, duration: timedelta | float, name: str | None) -> None:

@@ -24,6 +24,7 @@ class DurableAdmin:
     """``emit_event``, ``job_steps``, ``get_event``, ``waiting_for`` (``queue.aio`` has each as a coroutine)."""
 
     job_model: Any
+    tracing: Any  # the registry's: None, or what sqla_jobs.otel.instrument set
 
     if TYPE_CHECKING:  # provided by JobQueue (sqla_jobs._app)
         def driver(self, bind: Engine | Connection) -> Driver: ...
@@ -39,7 +40,12 @@ class DurableAdmin:
         Nothing is written if the transaction rolls back.
         """
         conn = session.connection()
-        return _durable.emit_event(self.driver(conn), conn, key, data, self.job_model.max_result_bytes)
+        if self.tracing is None:
+            return _durable.emit_event(self.driver(conn), conn, key, data, self.job_model.max_result_bytes)
+        with self.tracing.emit(key) as span:  # sqla_jobs.otel
+            woken = _durable.emit_event(self.driver(conn), conn, key, data, self.job_model.max_result_bytes)
+            span.set_attribute("sqla_jobs.event.woken", woken if woken is not None else -1)
+            return woken
 
     def get_event(self, session: Session, key: str) -> Any:
         """The emitted event ``key`` (``data``, ``emitted_at``), or None if it was not emitted (or was pruned)."""

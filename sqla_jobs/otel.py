@@ -24,6 +24,12 @@ its type, message and stack trace); a finish, a snooze or a cancel leaves it uns
 ask of a library. The span is current while the handler runs, so the handler's own spans are its
 children. With tracing on, each run reads its job's stored context: one primary-key read per run.
 
+**Durable jobs.** Each ``step`` is a child span of the run's, named ``step <name>``, with
+``sqla_jobs.step.outcome`` ``ran`` or ``replayed`` (its stored value returned), and its function's error
+recorded; each sleep or wait is one too (``sleep <name>``, ``wait <key>``: ``parked``, ``passed``, ``event``,
+``timed out`` or ``woke``). ``queue.emit_event`` is a ``PRODUCER`` span ``emit <key>`` in the caller's trace,
+with ``sqla_jobs.event.woken``: how many parked jobs it made due.
+
 **Relay.** ``sqla-jobs relay`` puts the stored ``traceparent`` / ``tracestate`` in each message's headers.
 
 **Metrics.** ``QueueMeter(queue, engine)`` reports the figures of ``sqla_jobs.metrics`` (Prometheus)
@@ -183,6 +189,30 @@ class _Tracing:
         with self.tracer.start_as_current_span(f"process {job.queue}", context=parent, kind=SpanKind.CONSUMER,
                                                links=links, attributes=attributes, record_exception=False,
                                                set_status_on_exception=False) as span:
+            yield span
+
+
+    # -- durable jobs (sqla_jobs._durable) ---------------------------------------------------------------
+
+    @contextmanager
+    def step(self, what: str, name: str, attributes: dict[str, Any]) -> Iterator[Span]:
+        """A durable job's step, sleep or wait: a child of the run's span (current in the handler). An error of the
+        step's function is recorded; a park (``JobParked``, not an ``Exception``) is an outcome, not an error."""
+        with self.tracer.start_as_current_span(f"{what} {name}", attributes={"sqla_jobs.step.name": name, **attributes},
+                                               record_exception=False, set_status_on_exception=False) as span:
+            try:
+                yield span
+            except Exception as exc:
+                span.record_exception(exc)
+                span.set_status(StatusCode.ERROR, f"{type(exc).__qualname__}: {exc}")
+                raise
+
+    @contextmanager
+    def emit(self, key: str) -> Iterator[Span]:
+        """``queue.emit_event``: a span in the caller's trace, with the key and how many parked jobs it woke."""
+        with self.tracer.start_as_current_span(f"emit {key}", kind=SpanKind.PRODUCER, attributes={
+                "messaging.system": SYSTEM, "messaging.operation.name": "emit", "messaging.operation.type": "send",
+                "sqla_jobs.event.key": key}) as span:
             yield span
 
 

@@ -259,3 +259,47 @@ def test_core_never_imports_opentelemetry_and_the_module_says_what_to_install(db
     missing = "import sys; sys.modules['opentelemetry'] = None; import sqla_jobs.otel"
     result = subprocess.run([sys.executable, "-c", missing], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert 'pip install "sqla-jobs[otel]"' in result.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("kind", ["d_wait", "d_async_wait"])
+def test_a_durable_jobs_steps_and_waits_are_child_spans_and_an_emit_is_a_span_of_its_caller(
+        db: Database, tracer: tuple[Tracer, InMemorySpanExporter], kind: str) -> None:
+    """Under ``instrument``, each step, sleep and wait of a run is a child of the run's span with its outcome, and
+    ``emit_event`` is a span in the emitting request's trace; the threaded worker runs the plain handler, the async
+    worker the ``async def`` one."""
+    from tests import durable_app  # noqa: F401 - registers the durable handlers on tests.app's queue
+
+    tracer_, exporter = tracer
+    with Session(db.engine, expire_on_commit=False) as session, session.begin():
+        job = app.queue.enqueue(session, kind, {"key": "paid:span"})
+
+    def work() -> None:
+        if kind == "d_wait":
+            Worker(db.engine, app.queue, poll_interval=0.05).run(burst=True)
+        else:
+            run(db, lambda engine: AsyncWorker(engine, app.queue, poll_interval=0.05).run(burst=True))
+
+    def runs() -> list[list[tuple[str, Any]]]:
+        """Each run's child spans (name, outcome), in the order they ended; the exporter emptied."""
+        spans = exporter.get_finished_spans()
+        exporter.clear()
+        found = []
+        for process in [s for s in spans if s.name == "process default"]:
+            assert process.attributes["messaging.message.id"] == str(job.id)
+            found.append([(s.name, s.attributes.get("sqla_jobs.step.outcome")) for s in spans
+                          if s.parent is not None and s.parent.span_id == process.context.span_id])
+        return found
+
+    work()  # parks at the wait
+    assert runs() == [[("step before", "ran"), ("wait paid:span", "parked")]]
+    with tracer_.start_as_current_span("POST /webhook") as hook, Session(db.engine) as session, session.begin():
+        assert app.queue.emit_event(session, "paid:span", {"amount": 1}) == 1
+    [emit] = [s for s in exporter.get_finished_spans() if s.name == "emit paid:span"]
+    assert emit.parent is not None and emit.parent.span_id == hook.get_span_context().span_id
+    assert emit.attributes["sqla_jobs.event.key"] == "paid:span" and emit.attributes["sqla_jobs.event.woken"] == 1
+    exporter.clear()
+    work()  # resumes: the first step replayed, the wait passed (the emit ended it), the rest ran
+    expected = [("step before", "replayed"), ("wait paid:span", "passed"), ("step after", "ran")]
+    if kind == "d_async_wait":  # its handler also sleeps 0 s: passed at once
+        expected.insert(2, ("sleep sleep:1", "woke"))
+    assert runs() == [expected]

@@ -70,7 +70,7 @@ class AsyncExecutor(Executor):
                          wake, count_queues=count_queues)  # type: ignore[arg-type]  # Event's three methods
         self.async_engine = engine
         self._loop = loop
-        self.steps = AsyncStepStore(engine, driver, self._result_limit, loop)
+        self.steps = AsyncStepStore(engine, driver, self._result_limit, loop, queue)
         # Plain handlers' threads, started on demand up to ``concurrency``; the calls they take.
         self._calls: stdlib_queue.SimpleQueue[Any] = stdlib_queue.SimpleQueue()
         self._idle = 0  # threads waiting for a call, or started for one and not yet waiting

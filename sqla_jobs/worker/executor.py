@@ -75,7 +75,7 @@ class Executor:
         #: Runs whose handler set a progress value not yet written (JobContext.set_progress fills it).
         self.progress: dict[Fence, JobContext] = {}
         self._result_limit = queue.job_model.max_result_bytes
-        self.steps = StepStore(engine, driver, self._result_limit)  # a durable job's steps (sqla_jobs._durable)
+        self.steps = StepStore(engine, driver, self._result_limit, queue)  # a durable job's steps (sqla_jobs._durable)
         self._held: list[Run] = []  # submitted runs of durable kinds, until flush reads their steps
         self._progress_limit = queue.job_model.max_progress_bytes
         self._fate = threading.Lock()  # orders abandon against a transactional run starting to commit
