@@ -286,6 +286,7 @@ def test_a_durable_jobs_steps_and_waits_are_child_spans_and_an_emit_is_a_span_of
         found = []
         for process in [s for s in spans if s.name == "process default"]:
             assert process.attributes["messaging.message.id"] == str(job.id)
+            assert process.attributes["sqla_jobs.job.attempt"] == 1  # a park uses no attempt
             found.append([(s.name, s.attributes.get("sqla_jobs.step.outcome")) for s in spans
                           if s.parent is not None and s.parent.span_id == process.context.span_id])
         return found
