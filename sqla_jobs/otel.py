@@ -30,7 +30,9 @@ recorded; each sleep or wait is one too (``sleep <name>``, ``wait <key>``: ``par
 ``timed out`` or ``woke``). ``queue.emit_event`` is a ``PRODUCER`` span ``emit <key>`` in the caller's trace,
 with ``sqla_jobs.event.woken``: how many parked jobs it made due.
 
-**Relay.** ``sqla-jobs relay`` puts the stored ``traceparent`` / ``tracestate`` in each message's headers.
+**Relay.** ``sqla-jobs relay`` sends each message of a job with a stored context in a ``PRODUCER`` span
+``send <destination>``, child of the enqueuing span (status ERROR if the broker refused it or was lost), and
+puts that span's ``traceparent`` / ``tracestate`` in the message's headers: the consumer's span is its child.
 
 **Metrics.** ``QueueMeter(queue, engine)`` reports the figures of ``sqla_jobs.metrics`` (Prometheus)
 through the OpenTelemetry meter: counters and a run-time histogram fed by the app's hooks, gauges read
@@ -214,6 +216,39 @@ class _Tracing:
                 "messaging.system": SYSTEM, "messaging.operation.name": "emit", "messaging.operation.type": "send",
                 "sqla_jobs.event.key": key}) as span:
             yield span
+
+
+    # -- the relay -------------------------------------------------------------------------------------
+
+    def publish(self, system: str, messages: list[Any], contexts: dict[int, dict[str, str]],
+                route: Callable[[str], str | None]) -> dict[int, Span]:
+        """The relay's send of each message whose job has a stored context: a ``PRODUCER`` span, child of the
+        enqueuing span, whose own context goes in the message's headers (the consumer's span is its child)."""
+        spans = {}
+        for message in messages:
+            stored = contexts.get(message.job.id)
+            if not stored:
+                continue
+            destination = route(message.job.kind) or ""
+            span = self.tracer.start_span(f"send {destination}", context=_PROPAGATOR.extract(stored),
+                                          kind=SpanKind.PRODUCER, attributes={
+                                              "messaging.system": system, "messaging.operation.name": "send",
+                                              "messaging.operation.type": "send",
+                                              "messaging.destination.name": destination,
+                                              "messaging.message.id": str(message.job.id),
+                                              "sqla_jobs.job.kind": message.job.kind})
+            _PROPAGATOR.inject(message.headers, context=trace.set_span_in_context(span))
+            spans[message.job.id] = span
+        return spans
+
+    @staticmethod
+    def published(spans: dict[int, Span], answers: dict[int, str | None], lost: str | None) -> None:
+        """End the relay's send spans with the broker's answer: a refusal, or the broker lost, is an ERROR."""
+        for job_id, span in spans.items():
+            refused = lost if lost is not None else answers.get(job_id)
+            if refused is not None:
+                span.set_status(StatusCode.ERROR, refused)
+            span.end()
 
 
 def _read(read: Callable[[], dict[int, dict[str, str]]], job_id: int) -> dict[str, str] | None:

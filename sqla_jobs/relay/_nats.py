@@ -56,6 +56,9 @@ class NatsTarget:
     starts; an existing stream is left as it is.
     """
 
+    #: ``messaging.system`` of the relay's send spans (sqla_jobs.otel).
+    system = "nats"
+
     def __init__(
         self,
         url: str,

@@ -125,13 +125,17 @@ class PublishExecutor(Executor):
             self._interrupted(runs, "the broker was lost while this batch was being claimed", 0.0)
             return
         routed = [(run, outgoing(run.job)) for run in runs if self.target.route(run.job.kind) is not None]
-        if self.queue.tracing is not None and routed:  # sqla_jobs.otel
-            await self._trace_headers([message for _, message in routed])
+        tracing = self.queue.tracing  # sqla_jobs.otel
+        spans = await self._trace_headers([message for _, message in routed]) if tracing and routed else {}
         try:
             answers = await self.target.publish([m for _, m in routed], self.confirm_timeout) if routed else {}
         except BrokerUnavailable as exc:
+            if spans:
+                tracing.published(spans, {}, f"BrokerUnavailable: {exc}")
             self._lost(runs, exc, time.monotonic() - started)
             return
+        if spans:
+            tracing.published(spans, answers, None)
         took = time.monotonic() - started
         done = self._done
         refused = 0
@@ -151,16 +155,17 @@ class PublishExecutor(Executor):
         self.counts.unrouted += unrouted
         self._wake.set()
 
-    async def _trace_headers(self, messages: list[Outgoing]) -> None:
-        """Give each message its job's stored trace context as headers (``traceparent``, ``tracestate``), so
-        the consumer's span continues the trace of the request that enqueued the job."""
+    async def _trace_headers(self, messages: list[Outgoing]) -> dict[int, Any]:
+        """Send each message whose job has a stored trace context in a span of its own, child of the enqueuing
+        span, whose context goes in the headers (``traceparent``, ``tracestate``): the consumer's span continues
+        the trace of the request that enqueued the job. The spans, by job id (``published`` ends them)."""
         try:
             contexts = await self.trace_contexts_async([message.job.id for message in messages])
         except Exception as exc:  # the database is away: the messages go without them, the publish goes on
             log.warning("relay: could not read the jobs' trace contexts: %s", str(exc).splitlines()[0])
-            return
-        for message in messages:
-            message.headers.update(contexts.get(message.job.id, {}))
+            return {}
+        system = getattr(self.target, "system", "broker")
+        return self.queue.tracing.publish(system, messages, contexts, self.target.route)  # type: ignore[no-any-return]
 
     def _lost(self, runs: list[Run], exc: BrokerUnavailable, took: float) -> None:
         """The broker went away mid-batch: every job of it goes back (the policy's ``broker_lost``), and

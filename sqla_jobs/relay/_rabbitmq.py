@@ -59,6 +59,9 @@ class RabbitMQTarget:
     messages have somewhere to go before any consumer starts.
     """
 
+    #: ``messaging.system`` of the relay's send spans (sqla_jobs.otel).
+    system = "rabbitmq"
+
     def __init__(
         self,
         url: str,
