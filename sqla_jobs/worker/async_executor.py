@@ -81,6 +81,10 @@ class AsyncExecutor(Executor):
         """For a plain handler, on its thread: the read runs on the worker's event loop (its engine is async)."""
         return asyncio.run_coroutine_threadsafe(self.read_async(statement), self._loop).result()
 
+    def prefetch_traces(self, runs: list[Run]) -> None:
+        """Nothing: each task reads its own context, awaiting on the loop (no thread waits for the GIL here), and
+        ``read`` from the control loop, which runs on the loop's own thread, would wait for itself."""
+
     async def read_async(self, statement: Callable[[Driver, Connection], Any]) -> Any:
         async with self.async_engine.connect() as conn:
             return await conn.run_sync(lambda sync: statement(self.driver, sync))
@@ -100,7 +104,7 @@ class AsyncExecutor(Executor):
     def _dispatch(self, run: Run) -> None:
         tracing = self.queue.tracing  # sqla_jobs.otel: None unless instrumented
         task = self._loop.create_task(self._execute_task(run) if tracing is None else tracing.run_async(
-            run, partial(self.trace_contexts_async, [run.job.id]), partial(self._execute_task, run)))
+            run, self.trace_reader_async(run), partial(self._execute_task, run)))
         self._tasks.add(task)
         task.add_done_callback(partial(self._task_done, run))
         if run.handler is not None and run.handler.is_async:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from sqlalchemy import Connection, Engine
+from sqlalchemy import Engine
 from sqlalchemy.orm import Session
 
 from .._app import JobEvent, JobQueue
@@ -40,6 +40,7 @@ from .._payload import encode_value
 from ..drivers.base import Claimed, Driver, Fence
 from ..errors import ConfigError, InvalidJob, JobCancel, JobParked, JobSnooze
 from .outage import DatabaseKey, watch
+from .run_reads import RunReads
 from .runs import InvalidResult, Outcome, Run, _CancelBeforeCommit, _ClaimLost, outcome_of
 from .steps import StepStore
 
@@ -48,7 +49,7 @@ __all__ = ["Executor", "Outcome", "Run"]
 log = logging.getLogger("sqla_jobs.worker")
 
 
-class Executor:
+class Executor(RunReads):
     """``concurrency`` handler threads and the runs they hold (touched by the control thread only,
     except ``Run.abandoned``/``finishing``, which the lock orders)."""
 
@@ -109,23 +110,9 @@ class Executor:
             self.running_in[job.queue] = self.running_in.get(job.queue, 0) + 1
         if timeout:
             self._timed += 1
-        (self._held.append if job.kind in self.steps.kinds else self._dispatch)(run)  # durable kinds: see flush
+        held = job.kind in self.steps.kinds or self.queue.tracing is not None  # durable or traced: see flush
+        (self._held.append if held else self._dispatch)(run)
         return run
-
-    def read(self, statement: Callable[[Driver, Connection], Any]) -> Any:
-        """A handler's read of its graph or batch (``current_job().upstreams()``, ``batch()``): one connection."""
-        with self.engine.connect() as conn:
-            return statement(self.driver, conn)
-
-    async def read_async(self, statement: Callable[[Driver, Connection], Any]) -> Any:
-        return await asyncio.to_thread(self.read, statement)
-
-    def trace_context(self, job_id: int) -> dict[int, dict[str, str]]:
-        """The trace context stored with a job (read only when tracing is on: ``sqla_jobs.otel``)."""
-        return self.read(lambda driver, conn: driver.trace_contexts(conn, [job_id]))  # type: ignore[no-any-return]
-
-    async def trace_contexts_async(self, ids: list[int]) -> dict[int, dict[str, str]]:
-        return await self.read_async(lambda driver, conn: driver.trace_contexts(conn, ids))  # type: ignore[no-any-return]
 
     def _dispatch(self, run: Run) -> None:
         """Hand the run to a handler thread (the async executor starts a task instead)."""
@@ -135,7 +122,9 @@ class Executor:
         """Every run of one claim was submitted: the durable ones go once their steps are read, all in one statement
         (the relay's executor publishes its runs as one batch here)."""
         held, self._held = self._held, []
-        self.steps.prefetch([run.ctx for run in held])
+        if held and self.queue.tracing is not None:  # sqla_jobs.otel
+            self.prefetch_traces(held)
+        self.steps.prefetch([run.ctx for run in held if run.job.kind in self.steps.kinds])
         for run in held:
             self._dispatch(run)
 
@@ -247,7 +236,7 @@ class Executor:
                     loop = asyncio.new_event_loop()
                 tracing = self.queue.tracing  # sqla_jobs.otel: None unless instrumented
                 outcome = self._execute(run, loop) if tracing is None else tracing.run(
-                    run, partial(self.trace_context, run.job.id), partial(self._execute, run, loop))
+                    run, self.trace_reader(run), partial(self._execute, run, loop))
             run.returned = True  # its handler is done: self-fencing leaves its outcome alone
             self._done.put((run, outcome))
             # Wake the control loop when there is something to do, not after every job: the

@@ -49,6 +49,7 @@ class Run:
     loop: Any = None
     interrupted: bool = False
     returned: bool = False  # the handler returned (or raised): its outcome waits to be collected
+    traces: dict[int, dict[str, str]] | None = None  # its claim's stored trace contexts (sqla_jobs.otel), if read
 
 
 @dataclass

@@ -1,0 +1,46 @@
+"""``sqla-jobs bench --fair``: the fair claiming figures, run small through the CLI on each backend.
+
+No speed is asserted (docs/performance.md has the figures and the command that measures them): only that each
+figure is printed with a number, which the bench prints once its scenes ran, and that a backlog too small for
+the window says so instead of printing a ratio of nothing.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests import forkserver
+from tests.conftest import server_url
+from tests.test_cli import clean_env
+
+pytestmark = [pytest.mark.slow, pytest.mark.serial]  # worker processes draining a backlog: it runs alone
+
+NUMBER = r"-?[\d,]+\.\d\d"
+FIGURES = [
+    "B..K pickup p99, idle queue (ms)", "A drain, fair (jobs/s)", "B..K pickup p99, fair, A's backlog (ms)",
+    "A drain, unfair (jobs/s)", "B..K picked up within the window, unfair (%)",
+    "claim of 4, fair, 10,000 keys (ms)", "claim of 4, plain (ms)", "B..K p99: fair with backlog / idle",
+]
+
+
+@pytest.mark.parametrize("backend", ["postgresql", "sqlite", "mariadb"])
+def test_fair_prints_each_figure(backend: str, tmp_path: Path) -> None:
+    result = forkserver.run(
+        [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "WARNING", "bench", "--url",
+         server_url(backend, tmp_path / "fair.db"), "--fair", "--fair-backlog", "3000", "--fair-window", "1",
+         "--runs", "1", "--processes", "1", "--concurrency", "4"],
+        cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"sqla-jobs bench --fair on {backend}" in result.stdout, result.stdout
+    for name in FIGURES:
+        assert re.search(rf"^  {re.escape(name)} +{NUMBER}$", result.stdout, re.M), (name, result.stdout)
+    ratio = re.search(r"^  A drain: fair / unfair +(\S+)$", result.stdout, re.M)
+    assert ratio is not None, result.stdout
+    if ratio.group(1) == "nan":
+        assert "give a larger --fair-backlog" in result.stdout, result.stdout
+    else:
+        assert re.fullmatch(NUMBER, ratio.group(1)), result.stdout
