@@ -187,7 +187,7 @@ async def _save_async(ctx: RunContext, name: str, value: Any, started: datetime)
 
 def _span(ctx: RunContext, what: str, name: str, **attributes: Any) -> Any:
     """The span of a step, sleep or wait when the app is traced (``sqla_jobs.otel``); a no-op otherwise."""
-    tracing = getattr(_store(ctx), "tracing", None)
+    tracing = _store(ctx).tracing
     return nullcontext(None) if tracing is None else tracing.step(what, name, attributes)
 
 

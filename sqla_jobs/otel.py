@@ -22,7 +22,8 @@ enqueuing span; a later attempt's starts a trace of its own with a link to it (`
 every attempt is a child). A failure sets the status to ERROR and records the exception (an event with
 its type, message and stack trace); a finish, a snooze or a cancel leaves it unset, as the conventions
 ask of a library. The span is current while the handler runs, so the handler's own spans are its
-children. With tracing on, each run reads its job's stored context: one primary-key read per run.
+children. With tracing on, the threaded worker reads the stored contexts of each claim's jobs in one
+statement (``sqla_jobs.worker.run_reads``); the async worker's runs read their own, one primary-key read each.
 
 **Durable jobs.** Each ``step`` is a child span of the run's, named ``step <name>``, with
 ``sqla_jobs.step.outcome`` ``ran`` or ``replayed`` (its stored value returned), and its function's error
@@ -193,7 +194,6 @@ class _Tracing:
                                                set_status_on_exception=False) as span:
             yield span
 
-
     # -- durable jobs (sqla_jobs._durable) ---------------------------------------------------------------
 
     @contextmanager
@@ -216,7 +216,6 @@ class _Tracing:
                 "messaging.system": SYSTEM, "messaging.operation.name": "emit", "messaging.operation.type": "send",
                 "sqla_jobs.event.key": key}) as span:
             yield span
-
 
     # -- the relay -------------------------------------------------------------------------------------
 

@@ -304,3 +304,29 @@ def test_a_durable_jobs_steps_and_waits_are_child_spans_and_an_emit_is_a_span_of
     if kind == "d_async_wait":  # its handler also sleeps 0 s: passed at once
         expected.insert(2, ("sleep sleep:1", "woke"))
     assert runs() == [expected]
+
+
+def test_the_threaded_worker_reads_a_claims_trace_contexts_in_one_statement(
+        db: Database, tracer: tuple[Tracer, InMemorySpanExporter]) -> None:
+    """Not one read per run on its handler thread (where, among many threads, each waited for the GIL): the worker
+    reads the stored contexts of each claim's jobs together, and every run still gets its own as its parent."""
+    from sqlalchemy import event
+
+    tracer_, exporter = tracer
+    with tracer_.start_as_current_span("request") as request, Session(db.engine) as session, session.begin():
+        app.queue.enqueue_many(session, [{"kind": "noop", "payload": {"n": n}} for n in range(12)])
+    reads: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().upper().startswith("SELECT") and "trace_context" in statement:
+            reads.append(statement)
+
+    event.listen(db.engine, "before_cursor_execute", count)
+    try:
+        Worker(db.engine, app.queue, concurrency=4, poll_interval=0.05).run(burst=True, install_signals=False)
+    finally:
+        event.remove(db.engine, "before_cursor_execute", count)
+    runs = [span for span in exporter.get_finished_spans() if span.name == "process default"]
+    assert len(runs) == 12
+    assert all(span.parent is not None and span.parent.span_id == request.get_span_context().span_id for span in runs)
+    assert 1 <= len(reads) <= 12 // 2, reads  # claims of up to 4 jobs: at most one read each, never one per run

@@ -134,19 +134,21 @@ class Durable:
         """``job_steps`` of several jobs in one statement, by job id (a job without steps is left out)."""
         s = self.steps
         found: dict[int, list[Any]] = {}
-        for row in conn.execute(select(s.c.job_id, s.c.name, s.c.value, s.c.until, s.c.awaiting, s.c.started_at,
-                                       s.c.finished_at).where(s.c.job_id.in_(job_ids))
+        for row in conn.execute(self._step_rows().add_columns(s.c.job_id).where(s.c.job_id.in_(job_ids))
                                 .order_by(s.c.job_id, s.c.started_at, s.c.name)):
             found.setdefault(row.job_id, []).append(row)
         return found
+
+    def _step_rows(self) -> Any:
+        """The columns a run and a person read of a step (``job_steps``, ``jobs_steps``)."""
+        s = self.steps
+        return select(s.c.name, s.c.value, s.c.until, s.c.awaiting, s.c.started_at, s.c.finished_at)
 
     def job_steps(self, conn: Connection, job_id: int) -> list[Any]:
         """A job's step rows (``name``, ``value``, ``until``, ``awaiting``, ``started_at``, ``finished_at``),
         in the order they were started."""
         s = self.steps
-        stmt = (select(s.c.name, s.c.value, s.c.until, s.c.awaiting, s.c.started_at, s.c.finished_at)
-                .where(s.c.job_id == job_id).order_by(s.c.started_at, s.c.name))
-        return list(conn.execute(stmt))
+        return list(conn.execute(self._step_rows().where(s.c.job_id == job_id).order_by(s.c.started_at, s.c.name)))
 
     def save_step(self, conn: Connection, job_id: int, name: str, value: Any, started: datetime,
                   finished: datetime) -> None:

@@ -77,7 +77,7 @@ class Executor(RunReads):
         self.progress: dict[Fence, JobContext] = {}
         self._result_limit = queue.job_model.max_result_bytes
         self.steps = StepStore(engine, driver, self._result_limit, queue)  # a durable job's steps (sqla_jobs._durable)
-        self._held: list[Run] = []  # submitted runs of durable kinds, until flush reads their steps
+        self._held: list[Run] = []  # submitted runs of durable kinds or traced apps, until flush reads for them
         self._progress_limit = queue.job_model.max_progress_bytes
         self._fate = threading.Lock()  # orders abandon against a transactional run starting to commit
         self._abandoned = 0  # how many of running were given up on
@@ -119,8 +119,8 @@ class Executor(RunReads):
         self._todo.put(run)
 
     def flush(self) -> None:
-        """Every run of one claim was submitted: the durable ones go once their steps are read, all in one statement
-        (the relay's executor publishes its runs as one batch here)."""
+        """Every run of one claim was submitted: the held ones go once their steps (durable kinds) and trace contexts
+        (a traced app) are read, each in one statement for the claim (the relay's executor publishes here)."""
         held, self._held = self._held, []
         if held and self.queue.tracing is not None:  # sqla_jobs.otel
             self.prefetch_traces(held)

@@ -21,20 +21,22 @@ from ..drivers.base import Driver
 if TYPE_CHECKING:
     from sqlalchemy.ext.asyncio import AsyncEngine
 
+    from .._app import JobQueue
+
 __all__ = ["AsyncStepStore", "StepStore"]
 
 
 class StepStore:
     """Reads and write transactions on the worker's engine; ``step_limit``: the most a step's value may take."""
 
-    def __init__(self, engine: Engine, driver: Driver, step_limit: int, queue: Any = None) -> None:
+    def __init__(self, engine: Engine, driver: Driver, step_limit: int, queue: JobQueue[Any, Any]) -> None:
         self.engine, self.driver, self.step_limit, self.queue = engine, driver, step_limit, queue
         self.kinds: set[str] = set()  # learnt from the runs (sqla_jobs._durable._book): no setting to forget
 
     @property
     def tracing(self) -> Any:
         """The app's tracing (``sqla_jobs.otel``), or None: steps, sleeps and waits become spans when it is on."""
-        return getattr(self.queue, "tracing", None)
+        return self.queue.tracing
 
     def prefetch(self, runs: list[Any]) -> None:
         """Give each run (a ``JobContext`` of a durable kind, just claimed) its job's steps, all read in one statement.
@@ -72,7 +74,7 @@ class AsyncStepStore(StepStore):
     """The async worker's: on its ``AsyncEngine``, from its event loop (a plain handler's thread goes through it)."""
 
     def __init__(self, engine: AsyncEngine, driver: Driver, step_limit: int, loop: asyncio.AbstractEventLoop,
-                 queue: Any = None) -> None:
+                 queue: JobQueue[Any, Any]) -> None:
         super().__init__(engine.sync_engine, driver, step_limit, queue)
         self.async_engine, self.loop = engine, loop
 
