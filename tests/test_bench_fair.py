@@ -2,7 +2,7 @@
 
 No speed is asserted (docs/performance.md has the figures and the command that measures them): only that each
 figure is printed with a number, which the bench prints once its scenes ran, and that a backlog too small for
-the window says so instead of printing a ratio of nothing.
+the window (or a window too short for any pickup) says so instead of printing a figure of nothing.
 """
 
 from __future__ import annotations
@@ -36,8 +36,11 @@ def test_fair_prints_each_figure(backend: str, tmp_path: Path) -> None:
         cwd=tmp_path, env=clean_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"sqla-jobs bench --fair on {backend}" in result.stdout, result.stdout
+    starved = "no job of B..K was picked up within a fair window" in result.stdout
     for name in FIGURES:
-        assert re.search(rf"^  {re.escape(name)} +{NUMBER}$", result.stdout, re.M), (name, result.stdout)
+        # B..K's fair figures are NaN only when none was picked up, and the bench then says so.
+        value = rf"({NUMBER}|nan)" if starved and ("fair, A's backlog" in name or "/ idle" in name) else NUMBER
+        assert re.search(rf"^  {re.escape(name)} +{value}$", result.stdout, re.M), (name, result.stdout)
     ratio = re.search(r"^  A drain: fair / unfair +(\S+)$", result.stdout, re.M)
     assert ratio is not None, result.stdout
     if ratio.group(1) == "nan":

@@ -263,6 +263,9 @@ def pickup_latency(engine: Engine, samples: int, asynchronous: bool = False) -> 
 
 
 def _pct(values: list[float], p: int) -> float:
+    """The ``p``-th percentile; with one value that value, with none NaN (a caller says why there were none)."""
+    if len(values) < 2:
+        return values[0] if values else float("nan")
     return statistics.quantiles(values, n=100, method="inclusive")[p - 1]
 
 
