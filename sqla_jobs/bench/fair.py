@@ -93,6 +93,9 @@ def _backlog(engine: Engine, n: int, keys: int = 1, queue_name: str = QUEUE) -> 
                                       fair_key="A" if keys == 1 else f"k{i % keys:05d}")
                              for i in range(start, min(n, start + 5000))])
             session.flush()
+    driver = queue.driver(engine)
+    with driver.write(engine) as conn:
+        driver.bench_analyze(conn)  # as autovacuum would soon: the claim planned on a table its statistics know
 
 
 def _count(engine: Engine, *where: Any) -> int:

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, ClassVar
 
-from sqlalchemy import Computed, Connection, DateTime, Engine, Index, MetaData, Table, insert
+from sqlalchemy import Computed, Connection, DateTime, Engine, Index, MetaData, Table, insert, text
 from sqlalchemy.engine import URL
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.compiler import compiles
@@ -283,6 +283,11 @@ class Setup:
         """Drop every worker's connection to this database from the server side, as a failover or a proxy
         restart would (the soak's ``cut`` fault); how many."""
         raise ConfigError(f"{self.name} cannot drop other sessions' connections")
+
+    def bench_analyze(self, conn: Connection) -> None:
+        """Refresh the jobs table's planner statistics, as the server's own upkeep soon would after a burst
+        (autovacuum's ANALYZE): a scene measured on a table its statistics know, as in production."""
+        conn.execute(text(f"ANALYZE {conn.dialect.identifier_preparer.format_table(self.jobs)}"))
 
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
         """Insert ``rows`` old finished jobs, as an unpruned queue has (the bench's background)."""

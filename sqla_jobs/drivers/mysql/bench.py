@@ -35,6 +35,9 @@ class MySQLBench:
                 conn.execute(text(f"DROP DATABASE IF EXISTS `{database}`"))
             admin.dispose()
 
+    def bench_analyze(self, conn: Connection) -> None:
+        conn.execute(text(f"ANALYZE TABLE {self._quoted(conn)}"))
+
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
         """One row, then ``INSERT … SELECT`` doubling it on the server: a million rows in seconds."""
         table = self._quoted(conn)

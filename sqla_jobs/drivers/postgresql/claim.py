@@ -22,10 +22,14 @@ __all__ = ["CLAIMED", "in_transaction", "is_async", "run_claim"]
 # candidate row, with SET LOCAL semantics (set_config(..., true)): nothing outlives the claim's
 # transaction, not even behind PgBouncer in transaction mode, where a session setting would reach
 # other clients. On the worker's autocommit connection BEGIN, the settings, the claim and COMMIT
-# go in one pipeline: still one network round trip.
+# go in one pipeline: still one network round trip. JIT goes off too: a claim touches a few dozen
+# rows, but a statement whose estimates run high (the fair claim's lateral LIMITs, sized by an
+# expression the planner cannot read) crosses jit_above_cost, and compiling it took 2 s a claim.
 _CLAIM_PLANNER = ("SELECT current_setting('enable_bitmapscan'), current_setting('enable_seqscan'), "
-                  "set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true)")
-_CLAIM_PLANNER_RESTORE = "SELECT set_config('enable_bitmapscan', %s, true), set_config('enable_seqscan', %s, true)"
+                  "current_setting('jit'), set_config('enable_bitmapscan', 'off', true), "
+                  "set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)")
+_CLAIM_PLANNER_RESTORE = ("SELECT set_config('enable_bitmapscan', %s, true), set_config('enable_seqscan', %s, true), "
+                          "set_config('jit', %s, true)")
 
 # The claim's last step, shared by the ordinary claim (postgresql.py) and a limited kind's (pg_limits.py): the
 # rows the statement chose in its `due` CTE (its `alone` CTE: an isolated job to run alone) become running
@@ -85,7 +89,7 @@ def run_claim(raw: Any, sql: str, params: dict[str, Any], after: tuple[str, dict
         rows = cursor.fetchall()
         if after is not None:
             cursor.execute(*after)
-        cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1]))
+        cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1], before[2]))
         return rows
 
 
@@ -115,5 +119,5 @@ async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str, params: 
         rows = await cursor.fetchall()
         if after is not None:
             await cursor.execute(*after)
-        await cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1]))
+        await cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1], before[2]))
         return rows

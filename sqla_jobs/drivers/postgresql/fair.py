@@ -15,6 +15,10 @@ speed); that happens only while the keys found hold fewer than ``limit`` due job
 them round by round, in ring order, and keeps ``limit``; the rest of the claim (isolated jobs, the
 UPDATE) is the plain claim's. The claimed rows come back with their key and place in the order, so the
 caller moves its cursor to the last key served.
+
+The UPDATE finds its rows by ``id = ANY(ARRAY(...))``, not by a join with ``due``: the lateral LIMITs are
+expressions, so the planner guesses ``due`` holds a fraction of the table, and with the table's statistics
+(autovacuum's ANALYZE) it then hashed the whole primary key to update 16 rows: 180 ms a claim at 100,000 jobs.
 """
 
 from __future__ import annotations
@@ -112,14 +116,14 @@ WITH RECURSIVE {done}walk(k, lap, pos) AS (
     UPDATE {live} AS j
     SET state = 'running', attempts = j.attempts + 1, locked_at = now(), locked_by = %(worker)s,
         claim_token = %(token)s, lease_expires_at = now() + make_interval(secs => %(lease)s)
-    FROM due WHERE j.id = due.id
-        AND (due.id IN (SELECT id FROM alone) OR NOT (due.isolate OR EXISTS (SELECT FROM alone)))
+    WHERE j.id = ANY(ARRAY(SELECT id FROM due
+        WHERE id IN (SELECT id FROM alone) OR NOT (isolate OR EXISTS (SELECT FROM alone))))
     RETURNING j.id, j.kind, j.queue, j.payload, j.attempts, j.max_attempts, j.priority, j.run_at, j.isolate,
-        j.has_dependents, j.fair_key, due.ord
+        j.has_dependents, j.fair_key
 )
-SELECT true AS claimed, id, kind, queue, payload, attempts, max_attempts, priority, run_at, isolate, has_dependents,
-    fair_key, ord
-FROM claimed
+SELECT true AS claimed, c.id, kind, queue, payload, attempts, max_attempts, priority, run_at, c.isolate,
+    has_dependents, fair_key, due.ord
+FROM claimed AS c JOIN due ON due.id = c.id
 UNION ALL
 SELECT NULL, id, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL FROM due
 WHERE isolate AND id NOT IN (SELECT id FROM alone)
