@@ -127,6 +127,35 @@ def test_a_fair_claim_reads_a_few_rows_on_a_table_its_statistics_know(pg: Databa
     assert read and max(read) <= 64, plan  # 16 claimed, 17 locked of A's, the walk's 11 keys
 
 
+def test_a_fair_claim_is_planned_once_per_connection(pg: Database) -> None:
+    """Making the fair claim's custom plan took twice as long as running it, and PostgreSQL kept making one a
+    claim (its generic plan's estimates look dear): once psycopg has prepared the statement, the claim runs
+    its generic plan, and the setting that says so ends with the claim's transaction."""
+    from tests import fair_app
+
+    app.queue.create_tables(pg.engine)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) "
+                             "SELECT 'noop', 'fair', '{}', chr(65 + i %% 11) FROM generate_series(1, 3000) AS i")
+        conn.exec_driver_sql("ANALYZE jobs")
+    driver = fair_app.queue.driver(pg.engine)
+    with pg.engine.connect() as conn:
+        hot = conn.execution_options(isolation_level="AUTOCOMMIT")
+        cursor = ""
+        for _ in range(20):
+            jobs, _, cursor = driver.claim_fair(hot, "fair", {}, cursor, 16, "plan-test", uuid.uuid4().hex, 60.0,
+                                                False)
+            assert len(jobs) == 16
+        generic, custom = hot.exec_driver_sql(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%%walk%%'").one()
+        assert (generic, custom) == (15, 0)  # psycopg prepares it on its 6th run
+        assert hot.exec_driver_sql("SHOW plan_cache_mode").scalar() == "auto"
+    with pg.engine.connect() as conn:  # inside the caller's transaction too, the setting is put back after it
+        assert len(driver.claim_fair(conn, "fair", {}, cursor, 16, "plan-test", uuid.uuid4().hex, 60.0, False)[0])
+        assert conn.in_transaction() and conn.exec_driver_sql("SHOW plan_cache_mode").scalar() == "auto"
+        conn.rollback()
+
+
 def mariadb_plan(db: Database, call: Callable[[Connection], Any], marker: str) -> tuple[Any, dict[str, Any]]:
     """Run ``call`` on a connection to ``db`` (rolled back after), then the statement it sent that contains
     ``marker`` again under ``ANALYZE FORMAT=JSON``: ``call``'s result and the plan MariaDB really ran."""

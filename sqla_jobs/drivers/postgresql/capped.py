@@ -162,7 +162,7 @@ def claim_capped(conn: Connection, stmts: Statements, row: str, kind: str, runni
         conn.begin()  # SQLAlchemy does not see what the driver cursor runs: without this its commit is a no-op
     results = _rows(conn, [(_CLAIM_PLANNER, {}), (stmts.lock, params), (stmts.take, params)], False)
     before = results.pop(0)[0]  # the caller's transaction goes on: its planner settings are put back
-    _rows(conn, [(_CLAIM_PLANNER_RESTORE, (before[0], before[1], before[2]))], False)
+    _rows(conn, [(_CLAIM_PLANNER_RESTORE, before[:4])], False)
     if any(r[0] is None for r in results[0]):
         return None  # no row to lock: the portable path creates it
     return _claimed(results[1], token)

@@ -25,11 +25,16 @@ __all__ = ["CLAIMED", "in_transaction", "is_async", "run_claim"]
 # go in one pipeline: still one network round trip. JIT goes off too: a claim touches a few dozen
 # rows, but a statement whose estimates run high (the fair claim's lateral LIMITs, sized by an
 # expression the planner cannot read) crosses jit_above_cost, and compiling it took 2 s a claim.
+_SETTINGS = ("enable_bitmapscan", "enable_seqscan", "jit", "plan_cache_mode")
 _CLAIM_PLANNER = ("SELECT current_setting('enable_bitmapscan'), current_setting('enable_seqscan'), "
-                  "current_setting('jit'), set_config('enable_bitmapscan', 'off', true), "
-                  "set_config('enable_seqscan', 'off', true), set_config('jit', 'off', true)")
-_CLAIM_PLANNER_RESTORE = ("SELECT set_config('enable_bitmapscan', %s, true), set_config('enable_seqscan', %s, true), "
-                          "set_config('jit', %s, true)")
+                  "current_setting('jit'), current_setting('plan_cache_mode'), "
+                  "set_config('enable_bitmapscan', 'off', true), set_config('enable_seqscan', 'off', true), "
+                  "set_config('jit', 'off', true)")
+# A statement whose custom plans cost more to make than to run (the fair claim: 2 ms of planning a claim, 1 ms
+# of running) takes its generic plan, made once per connection. PostgreSQL would keep making custom plans for
+# it: its generic plan's estimates, sized by LIMITs it cannot read, look dearer than they are.
+_GENERIC_PLANNER = _CLAIM_PLANNER + ", set_config('plan_cache_mode', 'force_generic_plan', true)"
+_CLAIM_PLANNER_RESTORE = "SELECT " + ", ".join(f"set_config('{name}', %s, true)" for name in _SETTINGS)
 
 # The claim's last step, shared by the ordinary claim (postgresql.py) and a limited kind's (pg_limits.py): the
 # rows the statement chose in its `due` CTE (its `alone` CTE: an isolated job to run alone) become running
@@ -62,17 +67,20 @@ def in_transaction(raw: Any) -> bool:
     return raw.info.transaction_status != pq.TransactionStatus.IDLE and not raw.closed
 
 
-def run_claim(raw: Any, sql: str, params: dict[str, Any], after: tuple[str, dict[str, Any]] | None = None) -> list[Any]:
+def run_claim(raw: Any, sql: str, params: dict[str, Any], after: tuple[str, dict[str, Any]] | None = None,
+              generic: bool = False) -> list[Any]:
     """The claim statement's rows, planned with the settings above, on psycopg connection ``raw``; ``after``:
-    a statement run next in the same transaction (the hand-off to dependents, handoff.py)."""
+    a statement run next in the same transaction (the hand-off to dependents, handoff.py); ``generic``: the
+    statement takes its generic plan once prepared (``_GENERIC_PLANNER``)."""
+    planner = _GENERIC_PLANNER if generic else _CLAIM_PLANNER
     if is_async(raw):  # the async worker: we run in its control greenlet, so await
-        return await_only(_run_claim_async(raw, sql, params, after))
+        return await_only(_run_claim_async(raw, sql, params, after, planner))
     if raw.autocommit and hasattr(raw, "pipeline"):  # the worker's hot connection (psycopg 3): one round trip
         with raw.cursor() as control, raw.cursor() as cursor:
             try:
                 with raw.pipeline():
                     control.execute("BEGIN")
-                    control.execute(_CLAIM_PLANNER)
+                    control.execute(planner)
                     cursor.execute(sql, params)
                     if after is not None:
                         control.execute(*after)
@@ -83,25 +91,25 @@ def run_claim(raw: Any, sql: str, params: dict[str, Any], after: tuple[str, dict
                 raise
             return cursor.fetchall()
     with raw.cursor() as cursor:  # inside the caller's transaction: the settings are put back after
-        cursor.execute(_CLAIM_PLANNER)
+        cursor.execute(planner)
         before = cursor.fetchone()
         cursor.execute(sql, params)
         rows = cursor.fetchall()
         if after is not None:
             cursor.execute(*after)
-        cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1], before[2]))
+        cursor.execute(_CLAIM_PLANNER_RESTORE, before[:4])
         return rows
 
 
 async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str, params: dict[str, Any],
-                           after: tuple[str, dict[str, Any]] | None) -> list[Any]:
+                           after: tuple[str, dict[str, Any]] | None, planner: str) -> list[Any]:
     """``run_claim`` on psycopg's async connection: the same statements, the same single round trip."""
     if raw.autocommit:
         async with raw.cursor() as control, raw.cursor() as cursor:
             try:
                 async with raw.pipeline():
                     await control.execute("BEGIN")
-                    await control.execute(_CLAIM_PLANNER)
+                    await control.execute(planner)
                     await cursor.execute(sql, params)
                     if after is not None:
                         await control.execute(*after)
@@ -112,12 +120,12 @@ async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str, params: 
                 raise
             return await cursor.fetchall()
     async with raw.cursor() as cursor:
-        await cursor.execute(_CLAIM_PLANNER)
+        await cursor.execute(planner)
         before = await cursor.fetchone()
         assert before is not None
         await cursor.execute(sql, params)
         rows = await cursor.fetchall()
         if after is not None:
             await cursor.execute(*after)
-        await cursor.execute(_CLAIM_PLANNER_RESTORE, (before[0], before[1], before[2]))
+        await cursor.execute(_CLAIM_PLANNER_RESTORE, before[:4])
         return rows
