@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 from . import _periodic
 from ._batch import Batch, add_members
 from ._durable_admin import DurableAdmin
+from ._fair import fill_row_key, keys_for_all
 from ._fields import check_row
 from ._models import STATES, JobMixin
 from ._sequence import insert_sequenced
@@ -116,14 +117,12 @@ class Admin(DurableAdmin, Generic[J]):
     ) -> Enqueued[J]:
         """Insert a job unless another job holds ``unique_key``; never aborts the caller's transaction.
 
-        Returns ``Enqueued(job, inserted, id)``: the new job, or the job that holds
-        the key. ``unique_states`` (default pending and running) are the states
-        in which the new job holds its key; add ``"finished"`` (and/or
-        ``"cancelled"``) to keep it after the run. ``unique_period`` (seconds)
-        appends the period's start to the key and keeps finished jobs holding
-        it: at most one job per key per period. The database's unique index
-        decides, so concurrent callers in any number of processes get exactly
-        one row. ``on_duplicate``: what a duplicate does to a *pending* holder, ``"keep"`` (nothing), ``"replace"``
+        Returns ``Enqueued(job, inserted, id)``: the new job, or the job that holds the key. ``unique_states``
+        (default pending and running) are the states in which the new job holds its key; add ``"finished"``
+        (and/or ``"cancelled"``) to keep it after the run. ``unique_period`` (seconds) appends the period's start
+        to the key and keeps finished jobs holding it: at most one job per key per period. The database's unique
+        index decides, so concurrent callers in any number of processes get exactly one row.
+        ``on_duplicate``: what a duplicate does to a *pending* holder, ``"keep"`` (nothing), ``"replace"``
         (the new payload), ``"debounce"`` (the new payload and, later, ``run_at``: it needs one); a running holder
         is never changed (``Enqueued.updated`` is False). See docs/howto/unique-jobs.md.
         """
@@ -152,7 +151,8 @@ class Admin(DurableAdmin, Generic[J]):
 
     def _checked_row(self, item: Mapping[str, Any]) -> dict[str, Any]:
         row = check_row(self.job_model, item)  # the payload comes back encoded, once
-        self.check_job(SimpleNamespace(**{**row, "payload": as_payload(item.get("payload", {}))}))
+        self.check_job(SimpleNamespace(**{**row, "payload": (payload := as_payload(item.get("payload", {})))}))
+        fill_row_key(self.fair, row, payload)
         if self.tracing is not None:  # sqla_jobs.otel: the caller's span, as JSON text like the payload
             row["trace_context"] = self.tracing.carrier()
         return row
@@ -162,16 +162,16 @@ class Admin(DurableAdmin, Generic[J]):
         """Insert many jobs fast, in ``session``'s transaction; returns how many.
 
         Each item is a mapping with ``kind`` and optionally ``payload``, ``queue``, ``priority``,
-        ``max_attempts``, ``run_at``, ``unique_key``, ``unique_states``, ``on_duplicate``, ``sequence_key`` and
-        ``on_upstream_failure``, checked like ``Job(...)`` (``check_job`` too): one bad item fails the call first.
-        PostgreSQL loads them with COPY. No ORM objects are made, so ids are not returned; use
-        ``session.add_all`` when you need them. Items with a ``unique_key`` are inserted one by one like
-        ``enqueue_unique``, after the items without one: one whose key is held (by an existing job or an
-        earlier item) is skipped, and the count leaves it out. ``batch`` (a ``Batch``, or a batch's id): the
-        jobs are its members (``sqla_jobs._batch``).
+        ``max_attempts``, ``run_at``, ``unique_key``, ``unique_states``, ``on_duplicate``, ``sequence_key``,
+        ``on_upstream_failure`` and ``fair_key`` (or a fair queue's ``key_field`` in the payload), checked like
+        ``Job(...)`` (``check_job`` too): one bad item fails the call first. PostgreSQL loads them with COPY.
+        No ORM objects are made, so ids are not returned; use ``session.add_all`` when you need them. Items with
+        a ``unique_key`` are inserted one by one like ``enqueue_unique``, after the items without one: one whose
+        key is held (by an existing job or an earlier item) is skipped, and the count leaves it out. ``batch``
+        (a ``Batch``, or a batch's id): the jobs are its members (``sqla_jobs._batch``).
         """
         _not_async(session, "enqueue_many")
-        rows = [self._checked_row(item) for item in jobs]
+        rows = keys_for_all([self._checked_row(item) for item in jobs])
         session.flush()  # keep the order of jobs added earlier in this session
         conn = session.connection()
         driver = self.driver(conn)

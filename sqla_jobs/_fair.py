@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import Index, String, text
@@ -26,7 +27,7 @@ from sqlalchemy.orm import Mapped, mapped_column, validates
 from .drivers import index_dialects_for, partial_where
 from .errors import ConfigError, InvalidJob
 
-__all__ = ["MAX_FAIR_KEY_LENGTH", "FairKeyed", "FairQueue", "fair_indexes", "make_fair"]
+__all__ = ["MAX_FAIR_KEY_LENGTH", "FairKeyed", "FairQueue", "fair_indexes", "fill_row_key", "keys_for_all", "make_fair"]
 
 MAX_FAIR_KEY_LENGTH = 128
 #: A weight's upper bound: a key's turn takes this many jobs at most, so one claim stays small.
@@ -120,3 +121,21 @@ def key_filler(fair: Mapping[str, FairQueue]) -> Any:
             job.fair_key = check_fair_key(str(value))
 
     return fill
+
+
+def fill_row_key(fair: Mapping[str, FairQueue], row: dict[str, Any], payload: Any) -> None:
+    """An ``enqueue_many`` row without a key gets one from its fair queue's ``key_field`` in ``payload`` (the
+    row's, decoded), as a flush fills ``Job.fair_key``."""
+    if (fill := key_filler(fair)) is not None:
+        fill(job := SimpleNamespace(queue=row["queue"], fair_key=row.get("fair_key"), payload=payload))
+        if job.fair_key is not None:
+            row["fair_key"] = job.fair_key
+
+
+def keys_for_all(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``rows``, each with a ``fair_key`` (None: the keyless turn) if any has one: the inserts carry a column
+    for all of a call's rows or none."""
+    if any("fair_key" in row for row in rows):
+        for row in rows:
+            row.setdefault("fair_key", None)
+    return rows

@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from . import _payload
+from ._fair import check_fair_key
 from ._typed import as_payload
 from ._unique import DEFAULT_UNIQUE_STATES, check_key, check_on_duplicate, check_states
 from .drivers import MAX_SEQUENCE_KEY_LENGTH
@@ -63,11 +64,13 @@ def check_row(model: type[Any], row: Mapping[str, Any]) -> dict[str, Any]:
                              "set unique_key too, or drop it")
         checked["on_duplicate"] = check_on_duplicate(row["on_duplicate"], checked["run_at"])
     checked.update(sequence_fields(row.get("sequence_key"), row.get("on_upstream_failure"), checked["unique_key"]))
+    if row.get("fair_key") is not None:  # its turn in a fair queue (sqla_jobs._fair)
+        checked["fair_key"] = check_fair_key(row["fair_key"])
     return checked
 
 
 _ROW_FIELDS = {"kind", "queue", "payload", "priority", "max_attempts", "run_at", "unique_key", "unique_states",
-               "on_duplicate", "sequence_key", "on_upstream_failure"}
+               "on_duplicate", "sequence_key", "on_upstream_failure", "fair_key"}
 
 
 def check_sequence_key(value: Any) -> str | None:

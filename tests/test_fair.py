@@ -109,3 +109,29 @@ def test_the_key_is_shown_where_jobs_are_listed(db: Database) -> None:
     assert shown["fair_key"] == "tenant-7"
     web = client(db)
     assert "tenant-7" in web.get("/jobs").text and "tenant-7" in web.get(f"/jobs/{keyed}").text
+
+
+def test_enqueue_many_carries_the_key(db: Database) -> None:
+    """``enqueue_many`` (COPY on PostgreSQL) stores a given ``fair_key``, or fills it from the fair queue's
+    ``key_field`` as a flush does; items without either take the keyless turn; ``enqueue_unique`` keeps a key
+    too; a bad key fails the call before anything is written."""
+    app.queue.create_tables(db.engine)
+    with Session(db.engine) as session, session.begin():
+        count = fair_app.queue.enqueue_many(session, [
+            {"kind": "noop", "queue": "fair", "fair_key": "given"},
+            {"kind": "noop", "queue": "fair", "payload": {"tenant": "t-9"}},
+            {"kind": "noop", "queue": "fair", "payload": {"tenant": 42}},  # a number's text, as a flush makes it
+            {"kind": "noop", "queue": "fair"},
+            {"kind": "noop", "queue": "other", "payload": {"tenant": "t-1"}},  # not a fair queue: no key filled
+            {"kind": "noop", "queue": "fair", "fair_key": "held", "unique_key": "u-1"},
+        ])
+        fair_app.queue.enqueue_unique(session, "noop", {}, unique_key="u-2", queue="fair", fair_key="unique")
+    assert count == 6
+    with Session(db.engine) as session:
+        keys = session.scalars(select(app.Job.fair_key).order_by(app.Job.id)).all()
+    assert keys == ["given", "t-9", "42", None, None, "held", "unique"]
+    with pytest.raises(InvalidJob, match="fair_key"), Session(db.engine) as session, session.begin():
+        fair_app.queue.enqueue_many(session, [{"kind": "noop", "queue": "fair"},
+                                              {"kind": "noop", "queue": "fair", "fair_key": ""}])
+    with Session(db.engine) as session:
+        assert session.scalar(select(func.count()).select_from(app.Job)) == 7

@@ -56,6 +56,8 @@ class Uniqueness:
             values["run_at"] = row["run_at"]
         if row.get("trace_context") is not None:  # JSON text, as the payload (sqla_jobs.otel)
             values["trace_context"] = self.payload_value(row["trace_context"])
+        if row.get("fair_key") is not None:  # its turn in a fair queue (sqla_jobs._fair)
+            values["fair_key"] = row["fair_key"]
         return values
 
     def is_duplicate_key(self, exc: IntegrityError) -> bool:

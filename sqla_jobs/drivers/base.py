@@ -302,9 +302,10 @@ class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Bat
     @staticmethod
     def _insert_batches(rows: list[dict[str, Any]]) -> Iterator[tuple[list[str], list[dict[str, Any]]]]:
         """The rows in batches of the same columns: with a ``run_at`` or without; with a ``trace_context`` (JSON
-        text or None) when the rows have that key (``enqueue_many`` gives it to all of a call's rows or none)."""
+        text or None) or a ``fair_key`` when the rows have that key (``enqueue_many`` gives each to all of a call's
+        rows or none)."""
         # A sequenced row (sqla_jobs._sequence) has its key, its state and count, and its policy too.
-        extra = [c for c in ("trace_context", *_SEQUENCED) if rows and c in rows[0]]
+        extra = [c for c in ("trace_context", "fair_key", *_SEQUENCED) if rows and c in rows[0]]
         for timed in (False, True):
             batch = [r for r in rows if (r["run_at"] is not None) is timed]
             if batch:
