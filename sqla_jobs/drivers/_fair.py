@@ -73,6 +73,13 @@ class Fairness:
         return (finished, *self.claim_fair(conn, queue, weights, after, limit, worker, token, lease, alone,
                                            skip_kinds))
 
+    def _in_turn_order(self, due: Select[Any]) -> Select[Any]:
+        """``due`` (one key's pending jobs) most urgent first, walked on ``ix_<table>_fair``: led by queue and key
+        (fixed by the WHERE, so the order is the same), the order of that index alone, so that SQLite never walks
+        the plain pending index past every other key's jobs instead."""
+        t = self.jobs
+        return due.order_by(t.c.queue, t.c.fair_key, t.c.priority.desc(), t.c.run_at, t.c.id)
+
     def _fair_ring(self, conn: Connection, queue: str, after: str, count: int) -> list[str | None]:
         """Up to ``count`` keys with pending jobs in ring order after ``after``, the keyless turn at the wrap."""
         t = self.jobs
@@ -116,9 +123,7 @@ class Fairness:
                 t.c.fair_key == key if key is not None else t.c.fair_key.is_(None))
             if skip_kinds:
                 due = due.where(t.c.kind.not_in(list(skip_kinds)))
-            # Led by queue and key (fixed by the WHERE): ix_<table>_fair's order, so it is the index walked.
-            due = due.order_by(t.c.queue, t.c.fair_key, t.c.priority.desc(), t.c.run_at, t.c.id).limit(weight * rounds)
-            rows = list(conn.execute(self.skip_locked(due)))
+            rows = list(conn.execute(self.skip_locked(self._in_turn_order(due).limit(weight * rounds))))
             more = more or len(rows) == weight * rounds
             window += [(n // weight, place, n, r) for n, r in enumerate(rows)]
         window.sort(key=lambda w: w[:3])

@@ -158,6 +158,13 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
 
     holder_lock: ClassVar[dict[str, Any] | None] = {"read": True}  # a locking read sees the latest commit
 
+    def _in_turn_order(self, due: Select[Any]) -> Select[Any]:
+        # A fair key's turn (drivers/_fair.py): MariaDB sorted every job of the key (filesort: 70 ms a turn at
+        # 30,000) when the ORDER BY named the columns the WHERE fixes; on the index, told, it reads the turn.
+        t = self.jobs
+        return (due.with_hint(t, f"FORCE INDEX (ix_{t.name}_fair)")
+                .order_by(t.c.priority.desc(), t.c.run_at, t.c.id))
+
     def _lock_fenced(self, conn: Connection, fences: Sequence[Fence], *columns: Any) -> list[Any]:
         """Lock the rows still held under ``fences`` (there is no UPDATE … RETURNING to tell us).
 
