@@ -34,9 +34,9 @@ from sqlalchemy import (
     String,
     Table,
     Text,
-    and_,
     bindparam,
     case,
+    false,
     func,
     insert,
     or_,
@@ -193,7 +193,11 @@ class Batches:
         return counts
 
     def errback_skip(self, t: Table) -> ColumnElement[bool]:
-        """A released on_failure callback none of whose upstreams failed: it is cancelled, not run."""
+        """A released on_failure callback none of whose upstreams failed: it is cancelled, not run.
+
+        A CASE, not an AND: the edges are read only for a callback. ``policy = 'errback' AND NOT EXISTS (...)``
+        reads them for every released job whose policy is NULL (NULL AND x needs x), and a join's edges are
+        all of a fan-in's: once per job of each ``SET`` that tests it."""
         e = self.edges
         failed = select(e.c.downstream_id).where(e.c.downstream_id == t.c.id, e.c.ended.is_not(None)).exists()
-        return and_(t.c.on_upstream_failure == ERRBACK, ~failed)
+        return case((t.c.on_upstream_failure == ERRBACK, ~failed), else_=false())

@@ -60,6 +60,7 @@ def handoff_sql(jobs: Table, edges: Table) -> str:
     """The count-down of the upstreams named in ``%(flagged)s`` that this transaction finished (and the
     wake-up of listening workers when one became pending). PostgreSQL evaluates every SET with the row's old
     values, so one statement does what ``Graph.unblock`` does in two."""
-    skip = (f"d.on_upstream_failure = '{ERRBACK}' AND NOT EXISTS "
-            f"(SELECT FROM {pg_name(edges)} AS x WHERE x.downstream_id = d.id AND x.ended IS NOT NULL)")
+    # A CASE, so that the edges are read for an on_failure callback only (``Batches.errback_skip`` says why).
+    skip = (f"CASE WHEN d.on_upstream_failure = '{ERRBACK}' THEN NOT EXISTS "
+            f"(SELECT FROM {pg_name(edges)} AS x WHERE x.downstream_id = d.id AND x.ended IS NOT NULL) ELSE false END")
     return _HANDOFF.format(table=pg_name(jobs), edges=pg_name(edges), skip=skip)
