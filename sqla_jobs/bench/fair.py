@@ -26,7 +26,6 @@ import argparse
 import dataclasses
 import logging
 import math
-import multiprocessing as mp
 import threading
 import time
 import uuid
@@ -42,7 +41,7 @@ from .._app import JobQueue
 from ..worker.config import WorkerConfig
 from ..worker.worker import Worker
 from .app import BenchDeadJob, BenchJob, queue
-from .run import Figures, _pct, _reset, reachable, scratch
+from .run import Figures, _pct, _reset, reachable, scratch, spawned
 
 __all__ = ["run_fair"]
 
@@ -66,23 +65,10 @@ def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int | None,
 
 @contextmanager
 def _workers(url: URL, args: argparse.Namespace, fair: bool) -> Iterator[None]:
-    ctx = mp.get_context("spawn")
-    readies = [ctx.Event() for _ in range(args.processes)]
     rendered = url.render_as_string(hide_password=False)
-    procs = [ctx.Process(target=_worker_main, args=(rendered, args.concurrency, r, args.batch_size, fair))
-             for r in readies]
-    for p in procs:
-        p.start()
-    try:
-        for r in readies:
-            r.wait(60)
-        time.sleep(0.5)
+    with spawned(args.processes, _worker_main, lambda ready: (rendered, args.concurrency, ready, args.batch_size,
+                                                               fair)):
         yield
-    finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.join(30)
 
 
 def _backlog(engine: Engine, n: int, keys: int = 1, queue_name: str = QUEUE) -> None:

@@ -175,13 +175,19 @@ def worker_processes(
 ) -> Iterator[list[Any]]:
     """``processes`` worker processes of ``concurrency`` threads, started and idle (listening where the
     database notifies, else polling every 20 ms) when this yields; stopped with SIGTERM afterwards."""
+    rendered = url.render_as_string(hide_password=False)
+    with spawned(processes, _worker_main, lambda ready: (rendered, concurrency, ready, batch_size, asynchronous,
+                                                          vacuum_dead_rows, discard_finished)) as procs:
+        yield procs
+
+
+@contextlib.contextmanager
+def spawned(processes: int, target: Any, arguments: Any) -> Iterator[list[Any]]:
+    """``processes`` spawned processes running ``target(*arguments(ready))``, each setting its ``ready`` event
+    once its worker is built; this yields once all are (or 60 s passed) and terminates them after."""
     ctx = mp.get_context("spawn")
     readies = [ctx.Event() for _ in range(processes)]
-    rendered = url.render_as_string(hide_password=False)
-    procs = [ctx.Process(target=_worker_main,
-                         args=(rendered, concurrency, r, batch_size, asynchronous, vacuum_dead_rows,
-                               discard_finished))
-             for r in readies]
+    procs = [ctx.Process(target=target, args=arguments(r)) for r in readies]
     for p in procs:
         p.start()
     try:
