@@ -220,6 +220,32 @@ def test_mariadb_takes_a_fair_keys_turn_in_index_order(mariadb: Database) -> Non
     assert step["table"]["r_rows"] <= 20, text  # the turn and one more, never the tenant's 32,768
 
 
+def test_mariadb_takes_a_fair_claims_turns_in_one_statement(mariadb: Database) -> None:
+    """With twelve keys pending, MariaDB's fair claim takes every key's turn in one statement (a UNION ALL of
+    locking reads): it was a round trip per key. The claim still goes round the ring in order."""
+    from tests import fair_app
+
+    with mariadb.engine.begin() as conn:
+        conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) "
+                             "SELECT 'noop', 'fair', '{}', concat('k', lpad(seq %% 12, 2, '0')) FROM seq_1_to_120")
+    driver = fair_app.queue.driver(mariadb.engine)
+    sent: list[str] = []
+
+    def keep(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any, executemany: bool) -> None:
+        sent.append(statement)
+
+    with mariadb.engine.connect() as conn:
+        event.listen(conn, "before_cursor_execute", keep)
+        jobs, _, cursor = driver.claim_fair(conn, "fair", {}, "k05", 12, "plan-test", uuid.uuid4().hex, 60.0, False)
+        conn.commit()
+    assert [j.id for j in jobs] and cursor == "k05"
+    with mariadb.engine.connect() as conn:
+        keys = [conn.exec_driver_sql(f"SELECT fair_key FROM jobs WHERE id = {j.id}").scalar() for j in jobs]
+    assert keys == [f"k{n:02d}" for n in [*range(6, 12), *range(0, 6)]]  # the ring after the cursor, once round
+    locking = [statement for statement in sent if "FOR UPDATE SKIP LOCKED" in statement]
+    assert len(locking) == 1 and locking[0].count("UNION ALL") == 11, sent
+
+
 def test_mariadb_locks_a_workers_running_jobs_by_primary_key(mariadb: Database) -> None:
     """A heartbeat (or a finish) locks the worker's running rows through the primary key, the order every
     other write takes them in. Reading them through the claim index (``state = 'running'`` is a small range

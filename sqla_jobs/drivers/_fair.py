@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Select, Table, exists, func, select, update
+from sqlalchemy import Connection, Select, Table, exists, func, literal, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import Claimed, Fence
@@ -80,26 +80,32 @@ class Fairness:
         t = self.jobs
         return due.order_by(t.c.queue, t.c.fair_key, t.c.priority.desc(), t.c.run_at, t.c.id)
 
+    def _take_turns(self, conn: Connection, turns: list[Select[Any]]) -> list[Any]:
+        """The rows of each key's turn (a locking ``turns`` statement each): one statement after another."""
+        return [row for turn in turns for row in conn.execute(turn)]
+
+    def _keys_after(self, conn: Connection, queue: str, after: str, count: int, upto: str | None) -> list[str]:
+        """Up to ``count`` keys with pending jobs in ``queue``, in order, after ``after`` (and up to ``upto``): one
+        index probe each, the next key after the one before."""
+        t = self.jobs
+        keys: list[str] = []
+        while len(keys) < count:
+            nxt = conn.execute(select(func.min(t.c.fair_key)).where(
+                t.c.state == "pending", t.c.queue == queue, t.c.fair_key > (keys[-1] if keys else after))).scalar()
+            if nxt is None or (upto is not None and nxt > upto):
+                break
+            keys.append(nxt)
+        return keys
+
     def _fair_ring(self, conn: Connection, queue: str, after: str, count: int) -> list[str | None]:
         """Up to ``count`` keys with pending jobs in ring order after ``after``, the keyless turn at the wrap."""
         t = self.jobs
+        # The keyless turn sits where the ring wraps (its jobs take turns too), one more than ``count``; then
+        # round the ring once: the keys up to the cursor.
+        ring: list[str | None] = [*self._keys_after(conn, queue, after, count, None), None]
+        if len(ring) - 1 < count:
+            ring += self._keys_after(conn, queue, "", count - len(ring) + 1, after)
         pending = (t.c.state == "pending", t.c.queue == queue)
-        ring: list[str | None] = []
-        key, wrapped = after, False
-        while len(ring) - (None in ring) < count:  # the keyless turn is one more, not one of ``count``
-            nxt = conn.execute(select(func.min(t.c.fair_key)).where(*pending, t.c.fair_key > key)).scalar()
-            if nxt is None:
-                if wrapped:
-                    break
-                ring.append(None)  # the keyless turn sits where the ring wraps (its jobs take turns too)
-                key, wrapped = "", True
-                continue
-            if wrapped and nxt > after:
-                break  # round the ring once
-            ring.append(nxt)
-            key = nxt
-        if not wrapped:
-            ring.append(None)  # a claim always offers the keyless turn
         if not conn.execute(select(exists().where(*pending, t.c.fair_key.is_(None)))).scalar():
             ring.remove(None)  # none to offer: it would thin out every key's share of the claim
         return ring
@@ -113,18 +119,23 @@ class Fairness:
         if not ring:
             return [], False, after, False
         rounds = math.ceil(limit / sum(weights.get(k, 1) if k is not None else 1 for k in ring))
-        window: list[tuple[int, int, int, Any]] = []  # (round, place in the ring, n, row)
-        more = False
+        sizes = [(weights.get(key, 1) if key is not None else 1) * rounds for key in ring]  # each turn's jobs
+        turns = []
         for place, key in enumerate(ring):
-            weight = weights.get(key, 1) if key is not None else 1
             due = select(t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority,
-                         t.c.isolate, t.c.fair_key).where(
+                         t.c.isolate, t.c.fair_key, literal(place).label("place")).where(
                 t.c.state == "pending", t.c.queue == queue, t.c.run_at <= self.now(),
                 t.c.fair_key == key if key is not None else t.c.fair_key.is_(None))
             if skip_kinds:
                 due = due.where(t.c.kind.not_in(list(skip_kinds)))
-            rows = list(conn.execute(self.skip_locked(self._in_turn_order(due).limit(weight * rounds))))
-            more = more or len(rows) == weight * rounds
+            turns.append(self.skip_locked(self._in_turn_order(due).limit(sizes[place])))
+        taken: list[list[Any]] = [[] for _ in ring]
+        for row in self._take_turns(conn, turns):
+            taken[row.place].append(row)
+        more = any(len(rows) == size for rows, size in zip(taken, sizes, strict=True))
+        window: list[tuple[int, int, int, Any]] = []  # (round, place in the ring, n, row)
+        for place, rows in enumerate(taken):
+            weight = sizes[place] // rounds
             window += [(n // weight, place, n, r) for n, r in enumerate(rows)]
         window.sort(key=lambda w: w[:3])
         rows = [w[3] for w in window[:limit]]
