@@ -139,6 +139,9 @@ def test_every_scenario_on_every_configuration(scenario: str, target: Target, wo
         fleet = Fleet(target, workers, lease, PROCESSES)
     try:
         wait_for(lambda: spans.exists(), 60, "the first run to start")
+        # Every worker past its start-up first: a worker that cannot reach its database while it starts exits 1
+        # by design (a bad URL must fail loudly), and a slow start on a loaded box met the restart (CI, stop 45).
+        wait_for(lambda: all(w.started() for w in fleet.live), 60, "every worker to start")
         faults = _strike(scenario, target, fleet, rng, spans, proxy)
         ids = span_ids + once_ids + other_ids
         wait_for(lambda: all(s in ("finished", "dead") for s in states(target.engine, ids).values())
