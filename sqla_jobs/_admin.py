@@ -152,7 +152,7 @@ class Admin(DurableAdmin, Generic[J]):
     def _checked_row(self, item: Mapping[str, Any]) -> dict[str, Any]:
         row = check_row(self.job_model, item)  # the payload comes back encoded, once
         self.check_job(SimpleNamespace(**{**row, "payload": (payload := as_payload(item.get("payload", {})))}))
-        fill_row_key(self.fair, row, payload)
+        fill_row_key(self._fill_key, row, payload)
         if self.tracing is not None:  # sqla_jobs.otel: the caller's span, as JSON text like the payload
             row["trace_context"] = self.tracing.carrier()
         return row

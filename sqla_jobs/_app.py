@@ -84,8 +84,10 @@ class JobQueue(Registry, Admin[J], BatchAdmin, Generic[J, D]):
         add_enqueue_check(job_model, self.check_job)
         #: Fair queues (sqla_jobs._fair): their claim takes the keys in turn; every other queue's is unchanged.
         self.fair = make_fair(fair)
-        if (fill := key_filler(self.fair)) is not None:
-            add_enqueue_check(job_model, fill)
+        #: Copies a fair queue's ``key_field`` into ``fair_key`` at flush and in ``enqueue_many`` (None: none has one).
+        self._fill_key = key_filler(self.fair)
+        if self._fill_key is not None:
+            add_enqueue_check(job_model, self._fill_key)
         register_tables(job_model.__table__, dead_model.__table__)  # type: ignore[attr-defined]
 
     def __repr__(self) -> str:

@@ -123,10 +123,10 @@ def key_filler(fair: Mapping[str, FairQueue]) -> Any:
     return fill
 
 
-def fill_row_key(fair: Mapping[str, FairQueue], row: dict[str, Any], payload: Any) -> None:
+def fill_row_key(fill: Any, row: dict[str, Any], payload: Any) -> None:
     """An ``enqueue_many`` row without a key gets one from its fair queue's ``key_field`` in ``payload`` (the
-    row's, decoded), as a flush fills ``Job.fair_key``."""
-    if (fill := key_filler(fair)) is not None:
+    row's, decoded) through ``fill`` (the app's ``key_filler``, None when no queue has one), as a flush does."""
+    if fill is not None:
         fill(job := SimpleNamespace(queue=row["queue"], fair_key=row.get("fair_key"), payload=payload))
         if job.fair_key is not None:
             row["fair_key"] = job.fair_key

@@ -100,58 +100,65 @@ def test_the_planner_settings_end_with_the_claim(pg: Database) -> None:
         conn.commit()
 
 
+def add_fair_jobs(conn: Connection, key: str, rows: int) -> None:
+    """``rows`` pending jobs of queue ``fair``, each keyed by the SQL expression ``key`` of ``i`` (0, 1, ...)."""
+    conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) "
+                         f"SELECT 'noop', 'fair', '{{}}', {key} FROM generate_series(0, {rows - 1}) AS i")
+
+
+def claim_fair(conn: Connection, cursor: str = "") -> tuple[Any, bool, str]:
+    """A fair claim of 16 from queue ``fair`` (tests.fair_app), after ``cursor``, on ``conn``."""
+    from tests import fair_app
+
+    return fair_app.queue.driver(conn).claim_fair(conn, "fair", {}, cursor, 16, "plan-test", uuid.uuid4().hex,
+                                                  60.0, False)
+
+
+def most_rows_read(plan: str) -> int:
+    """The most rows any node of an auto_explain ``plan`` read, over all its loops."""
+    return max(int(rows) * int(loops) for rows, loops in re.findall(r"actual time=\S+ rows=(\d+) loops=(\d+)", plan))
+
+
 def test_a_fair_claim_reads_a_few_rows_on_a_table_its_statistics_know(pg: Database) -> None:
     """Autovacuum's ANALYZE has seen tenant A's 100,000 pending jobs: the fair claim's lateral LIMITs are
     expressions, so the planner guesses it takes thousands of rows, and it hashed the whole primary key to
     update 16 (180 ms a claim at 100,000 jobs) and compiled the statement with JIT (2 s a claim). Every node of
     the plan that ran reads a few dozen rows at most, and nothing is compiled."""
-    from tests import fair_app
-
     app.queue.create_tables(pg.engine)
     with pg.engine.begin() as conn:
-        conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) "
-                             "SELECT 'noop', 'fair', '{}', 'A' FROM generate_series(1, 100000)")
-        conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) "
-                             "SELECT 'noop', 'fair', '{}', chr(66 + i) FROM generate_series(0, 9) AS i")
+        add_fair_jobs(conn, "'A'", 100_000)
+        add_fair_jobs(conn, "chr(66 + i)", 10)
         conn.exec_driver_sql("ANALYZE jobs")
-    driver = fair_app.queue.driver(pg.engine)
     with pg.engine.connect() as conn:
         plans = explain_what_runs(conn)
         conn.commit()
-        hot = conn.execution_options(isolation_level="AUTOCOMMIT")
-        jobs, _, _ = driver.claim_fair(hot, "fair", {}, "", 16, "plan-test", uuid.uuid4().hex, 60.0, False)
+        jobs, _, _ = claim_fair(conn.execution_options(isolation_level="AUTOCOMMIT"))
     assert len(jobs) == 16
     (plan,) = [p for p in plans if "CTE walk" in p]
     assert "JIT" not in plan, plan
-    read = [int(rows) * int(loops) for rows, loops in re.findall(r"actual time=\S+ rows=(\d+) loops=(\d+)", plan)]
-    assert read and max(read) <= 64, plan  # 16 claimed, 17 locked of A's, the walk's 11 keys
+    assert most_rows_read(plan) <= 64, plan  # 16 claimed, 17 locked of A's, the walk's 11 keys
 
 
 def test_a_fair_claim_is_planned_once_per_connection(pg: Database) -> None:
     """Making the fair claim's custom plan took twice as long as running it, and PostgreSQL kept making one a
     claim (its generic plan's estimates look dear): once psycopg has prepared the statement, the claim runs
     its generic plan, and the setting that says so ends with the claim's transaction."""
-    from tests import fair_app
-
     app.queue.create_tables(pg.engine)
     with pg.engine.begin() as conn:
-        conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) "
-                             "SELECT 'noop', 'fair', '{}', chr(65 + i %% 11) FROM generate_series(1, 3000) AS i")
+        add_fair_jobs(conn, "chr(65 + i %% 11)", 3000)
         conn.exec_driver_sql("ANALYZE jobs")
-    driver = fair_app.queue.driver(pg.engine)
     with pg.engine.connect() as conn:
         hot = conn.execution_options(isolation_level="AUTOCOMMIT")
         cursor = ""
         for _ in range(20):
-            jobs, _, cursor = driver.claim_fair(hot, "fair", {}, cursor, 16, "plan-test", uuid.uuid4().hex, 60.0,
-                                                False)
+            jobs, _, cursor = claim_fair(hot, cursor)
             assert len(jobs) == 16
         generic, custom = hot.exec_driver_sql(
             "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement LIKE '%%walk%%'").one()
         assert (generic, custom) == (15, 0)  # psycopg prepares it on its 6th run
         assert hot.exec_driver_sql("SHOW plan_cache_mode").scalar() == "auto"
     with pg.engine.connect() as conn:  # inside the caller's transaction too, the setting is put back after it
-        assert len(driver.claim_fair(conn, "fair", {}, cursor, 16, "plan-test", uuid.uuid4().hex, 60.0, False)[0])
+        assert len(claim_fair(conn, cursor)[0])
         assert conn.in_transaction() and conn.exec_driver_sql("SHOW plan_cache_mode").scalar() == "auto"
         conn.rollback()
 
@@ -161,28 +168,22 @@ def test_a_fair_claims_generic_plan_takes_each_turn_on_the_fair_index(pg: Databa
     prepared claim's generic plan took each small key's turn on ix_jobs_pending, walking past A's jobs (0.5 s
     a claim), the planner having dropped the key, equal to a value, from the turn's ORDER BY. Every node of
     the plan the prepared claim runs reads a few dozen rows at most."""
-    from tests import fair_app
-
     app.queue.create_tables(pg.engine)
     with pg.engine.begin() as conn:
-        conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) "
-                             "SELECT 'noop', 'fair', '{}', 'A' FROM generate_series(1, 30000)")
+        add_fair_jobs(conn, "'A'", 30_000)
         conn.exec_driver_sql("ANALYZE jobs")  # before the small tenants came: to the statistics, every job is A's
-        conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) "
-                             "SELECT 'noop', 'fair', '{}', chr(66 + i %% 10) FROM generate_series(0, 499) AS i")
-    driver = fair_app.queue.driver(pg.engine)
+        add_fair_jobs(conn, "chr(66 + i %% 10)", 500)
     with pg.engine.connect() as conn:
         hot = conn.execution_options(isolation_level="AUTOCOMMIT")
         cursor = ""
         for _ in range(8):  # psycopg prepares it on its 6th run
-            cursor = driver.claim_fair(hot, "fair", {}, cursor, 16, "plan-test", uuid.uuid4().hex, 60.0, False)[2]
+            cursor = claim_fair(hot, cursor)[2]
         plans = explain_what_runs(hot)
-        jobs, _, _ = driver.claim_fair(hot, "fair", {}, cursor, 16, "plan-test", uuid.uuid4().hex, 60.0, False)
+        jobs, _, _ = claim_fair(hot, cursor)
     assert len(jobs) == 16
     (plan,) = [p for p in plans if "CTE walk" in p]
     assert "ix_jobs_pending" not in plan, plan
-    read = [int(rows) * int(loops) for rows, loops in re.findall(r"actual time=\S+ rows=(\d+) loops=(\d+)", plan)]
-    assert max(read) <= 64, plan
+    assert most_rows_read(plan) <= 64, plan
 
 
 def mariadb_plan(db: Database, call: Callable[[Connection], Any], marker: str) -> tuple[Any, dict[str, Any]]:
@@ -230,18 +231,13 @@ def test_mariadb_takes_a_fair_keys_turn_in_index_order(mariadb: Database) -> Non
     """A fair queue's turn on MariaDB (drivers/_fair.py): tenant A holds 30,000 pending jobs; its turn reads the
     16 it takes on ``ix_jobs_fair`` in claim order. It sorted all 30,000 (filesort, 70 ms a turn: a fair drain of
     45 jobs/s) while its ORDER BY named the queue and key the WHERE fixes."""
-    from tests import fair_app
-
     with mariadb.engine.begin() as conn:
         conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) VALUES ('noop', 'fair', '{}', 'A')")
         for _ in range(15):  # doubled on the server: 32,768 rows
             conn.exec_driver_sql("INSERT INTO jobs (kind, queue, payload, fair_key) "
                                  "SELECT kind, queue, payload, fair_key FROM jobs")
         conn.exec_driver_sql("ANALYZE TABLE jobs")
-    driver = fair_app.queue.driver(mariadb.engine)
-    (jobs, _, _), analyzed = mariadb_plan(
-        mariadb, lambda conn: driver.claim_fair(conn, "fair", {}, "", 16, "plan-test", uuid.uuid4().hex, 60.0, False),
-        "SKIP LOCKED")
+    (jobs, _, _), analyzed = mariadb_plan(mariadb, claim_fair, "SKIP LOCKED")
     assert len(jobs) == 16
     text = json.dumps(analyzed)
     assert "filesort" not in text and '"key": "ix_jobs_fair"' in text, text

@@ -118,8 +118,9 @@ class Fairness:
         ring = self._fair_ring(conn, queue, after, limit)
         if not ring:
             return [], False, after, False
-        rounds = math.ceil(limit / sum(weights.get(k, 1) if k is not None else 1 for k in ring))
-        sizes = [(weights.get(key, 1) if key is not None else 1) * rounds for key in ring]  # each turn's jobs
+        shares = [weights.get(key, 1) if key is not None else 1 for key in ring]  # the keyless turn weighs 1
+        rounds = math.ceil(limit / sum(shares))
+        sizes = [share * rounds for share in shares]  # each turn's jobs
         turns = []
         for place, key in enumerate(ring):
             due = select(t.c.id, t.c.kind, t.c.queue, t.c.payload, t.c.attempts, t.c.max_attempts, t.c.priority,
@@ -135,8 +136,7 @@ class Fairness:
         more = any(len(rows) == size for rows, size in zip(taken, sizes, strict=True))
         window: list[tuple[int, int, int, Any]] = []  # (round, place in the ring, n, row)
         for place, rows in enumerate(taken):
-            weight = sizes[place] // rounds
-            window += [(n // weight, place, n, r) for n, r in enumerate(rows)]
+            window += [(n // shares[place], place, n, r) for n, r in enumerate(rows)]
         window.sort(key=lambda w: w[:3])
         rows = [w[3] for w in window[:limit]]
         isolated = [r for r in rows if r.isolate]
