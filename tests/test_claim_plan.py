@@ -139,6 +139,20 @@ def test_a_fair_claim_reads_a_few_rows_on_a_table_its_statistics_know(pg: Databa
     assert most_rows_read(plan) <= 64, plan  # 16 claimed, 17 locked of A's, the walk's 11 keys
 
 
+def test_the_fair_claim_is_sent_with_postgresqls_own_parameters() -> None:
+    """psycopg parses a ``%(name)s`` statement of over 4,096 characters anew at each execute (the fair claim:
+    6,000); ``Positional`` turns it into ``$n`` once, each name one number, and orders the values to match."""
+    from sqla_jobs.drivers.postgresql.claim import Positional
+    from sqla_jobs.drivers.postgresql.fair import FINISH, fair_claim_sql
+
+    stmt = Positional("SELECT %(a)s, %(b)s::text[], %(a)s + 1")
+    assert stmt.sql == "SELECT $1, $2::text[], $1 + 1"
+    assert stmt.values({"b": ["x"], "a": 2, "unused": 0}) == [2, ["x"]]
+    fair = Positional(fair_claim_sql("jobs", FINISH[False].format(table="jobs")))
+    assert "%(" not in fair.sql and len(fair.sql) > 4096
+    assert sorted(fair.names) == sorted(set(fair.names)) and "queue" in fair.names
+
+
 def test_a_fair_claim_is_planned_once_per_connection(pg: Database) -> None:
     """Making the fair claim's custom plan took twice as long as running it, and PostgreSQL kept making one a
     claim (its generic plan's estimates look dear): once psycopg has prepared the statement, the claim runs

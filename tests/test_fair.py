@@ -22,10 +22,10 @@ from tests.helpers import enqueue
 from tests.test_limits import _stop
 
 
-def _workers(db: Database, n: int, logs: Path) -> list[forkserver.Popen]:
+def _workers(db: Database, n: int, logs: Path, *flags: str) -> list[forkserver.Popen]:
     """``n`` worker processes of tests.fair_app, up and running (their logs in files: see test_limits)."""
     command = [sys.executable, "-m", "sqla_jobs.cli", "worker", "--app", "tests.fair_app:queue",
-               "--poll-interval", "0.05", "--concurrency", "2"]
+               "--poll-interval", "0.05", "--concurrency", "2", *flags]
     workers = []
     for i in range(n):
         with open(logs / f"worker-{i}.log", "w") as log:
@@ -50,8 +50,18 @@ def test_four_processes_share_a_fair_queue_between_tenants(db: Database, tmp_pat
     """4 processes x 2 threads. Tenant ``big`` enqueues 240 jobs, then 6 small tenants 3 each, and 6 jobs come
     with no key; oldest-first, every small job would wait for the whole backlog. Fairly, each small job starts
     within the first 60 % of the queue's starts, and every job (plus a plain queue's) runs exactly once."""
+    _share_between_tenants(db, tmp_path, 4)
+
+
+def test_async_workers_share_a_fair_queue_on_postgresql(pg: Database, tmp_path: Path) -> None:
+    """The same with two async worker processes: their claim is sent through psycopg's async connection
+    (``drivers/postgresql/claim.py``), the fair statement through its raw cursor."""
+    _share_between_tenants(pg, tmp_path, 2, "--async")
+
+
+def _share_between_tenants(db: Database, tmp_path: Path, processes: int, *flags: str) -> None:
     fair_app.metadata.create_all(db.engine)
-    workers = _workers(db, 4, tmp_path)
+    workers = _workers(db, processes, tmp_path, *flags)
     try:
         with Session(db.engine) as session, session.begin():
             session.add_all([app.Job(kind="noop", queue="fair", fair_key="big",

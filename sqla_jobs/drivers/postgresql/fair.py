@@ -29,7 +29,7 @@ from sqlalchemy import Connection, Table
 from sqlalchemy.exc import DBAPIError
 
 from ..base import Claimed, Fence
-from .claim import run_claim
+from .claim import Positional, run_claim
 from .notify import pg_name
 from .partitions import is_partitioned, live_name
 
@@ -176,7 +176,8 @@ class PgFair:
         cache = self.__dict__.setdefault("_fair_sql", {})
         key = (live, self.discard_finished)
         if key not in cache:
-            cache[key] = fair_claim_sql(live, FINISH[self.discard_finished].format(table=pg_name(self.jobs)))
+            finish = FINISH[self.discard_finished].format(table=pg_name(self.jobs))
+            cache[key] = Positional(fair_claim_sql(live, finish))
         sql = cache[key]
         params = {"fences": ",".join(f"{job_id}:{job_token}" for job_id, job_token in fences), "queue": queue,
                   "after": after, "limit": max(limit, 0), "keys": max(limit, 1), "wkeys": list(weights),
@@ -188,7 +189,7 @@ class PgFair:
             rows = run_claim(conn.connection.driver_connection, sql, params, generic=True)
         except Exception as exc:
             if isinstance(exc, conn.dialect.loaded_dbapi.Error):
-                raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
+                raise DBAPIError.instance(sql.sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
             raise
         finished = {r[1] for r in rows if r[0] is False}
         claimed = sorted((r for r in rows if r[0]), key=lambda r: r[12])
