@@ -324,11 +324,10 @@ class Admin(DurableAdmin, Generic[J]):
         conn = session.connection()
         return self.driver(conn).purge_dead(conn, older_than, kind)
 
-    def prune(
-        self, engine: Engine, *, older_than: float, batch_size: int = 1000, max_batches: int | None = None
-    ) -> int:
-        """Delete finished and cancelled jobs whose ``finished_at`` is older than ``older_than`` seconds (their
-        durable steps with them), and durable jobs' events emitted longer ago than that.
+    def prune(self, engine: Engine, *, older_than: float, batch_size: int = 1000, max_batches: int | None = None,
+              ) -> int:
+        """Delete finished and cancelled jobs finished over ``older_than`` seconds ago (their durable steps too),
+        events emitted as long ago, and up to ``batch_size`` sequence keys whose last job has ended.
 
         Deletes ``batch_size`` rows per transaction, committing each (no long transaction on a busy table);
         stops after ``max_batches`` when given; returns how many rows were deleted. On PostgreSQL, when another
@@ -355,8 +354,9 @@ class Admin(DurableAdmin, Generic[J]):
             batches += 1
             if count < batch_size:
                 break
-        with driver.write(engine) as conn:  # durable jobs' events as old (sqla_jobs._durable)
+        with driver.write(engine) as conn:  # durable jobs' events as old; ended sequences' rows (a batch a call)
             driver.prune_events(conn, datetime.now(timezone.utc) - timedelta(seconds=older_than))
+            driver.prune_sequences(conn, batch_size)
         return deleted
 
     def _not_found(self, conn: Connection, job_id: int) -> str:

@@ -18,7 +18,24 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, Connection, MetaData, String, Table, and_, case, insert, literal, select, update
+from sqlalchemy import (
+    Column,
+    Connection,
+    MetaData,
+    Select,
+    String,
+    Table,
+    and_,
+    case,
+    delete,
+    exists,
+    insert,
+    literal,
+    or_,
+    select,
+    tuple_,
+    update,
+)
 
 from ._setup import beside
 
@@ -64,6 +81,8 @@ class Sequences:
 
         def lock_upstreams(self, conn: Connection, ids: Sequence[int]) -> dict[int, tuple[str, str | None]]: ...
 
+        def skip_locked(self, stmt: Select[Any]) -> Select[Any]: ...
+
     @property
     def sequences(self) -> Table:
         return sequence_table(self.jobs)
@@ -77,15 +96,43 @@ class Sequences:
         commit or roll back, and sees its row as it then is (MariaDB's REPEATABLE READ included).
         """
         s = self.sequences
-        ordered = sorted(set(keys))
-        for key in ordered:
-            self.upsert(conn, s, {"key": key, "last_id": None})
         tails: dict[str, int | None] = {}
-        for chunk in [ordered[i:i + 500] for i in range(0, len(ordered), 500)]:
-            rows = conn.execute(select(s.c.key, s.c.last_id).where(s.c.key.in_(chunk)).order_by(s.c.key)
-                                .with_for_update())
-            tails.update({r.key: r.last_id for r in rows})
+        missing = sorted(set(keys))
+        while missing:
+            for key in missing:
+                self.upsert(conn, s, {"key": key, "last_id": None})
+            for chunk in [missing[i:i + 500] for i in range(0, len(missing), 500)]:
+                rows = conn.execute(select(s.c.key, s.c.last_id).where(s.c.key.in_(chunk)).order_by(s.c.key)
+                                    .with_for_update())
+                tails.update({r.key: r.last_id for r in rows})
+            # PostgreSQL's insert-or-nothing takes no lock: a pruner (``prune_sequences``) may have deleted the
+            # row between it and the locking read, which then finds none. Made again, it is ours.
+            missing = [key for key in missing if key not in tails]
         return tails
+
+    def prune_sequences(self, conn: Connection, limit: int) -> int:
+        """Delete up to ``limit`` keys' rows whose last job has ended (finished, cancelled or pruned; not dead: a
+        holding sequence waits for its dead job's requeue): a new job of the key then waits for nothing, as it
+        would with the row. A row is deleted under its lock and only with the last job it was found with, so
+        an enqueuer that took the key meanwhile keeps it (``lock_tails`` makes a row deleted under it again)."""
+        s, t, d = self.sequences, self.jobs, self.dead
+        running = exists().where(t.c.id == s.c.last_id, t.c.state.not_in(("finished", "cancelled")))
+        dead = exists().where(d.c.id == s.c.last_id)
+        stale = conn.execute(select(s.c.key, s.c.last_id).where(~running, ~dead).order_by(s.c.key)
+                             .limit(limit)).all()  # a plain read: MariaDB's locking read would lock the jobs too
+        if not stale:
+            return 0
+        locked = conn.execute(self.skip_locked(select(s.c.key, s.c.last_id).where(
+            s.c.key.in_([r.key for r in stale])).order_by(s.c.key))).all()
+        found = {(r.key, r.last_id) for r in stale}
+        still = [r for r in locked if (r.key, r.last_id) in found]
+        if not still:
+            return 0
+        pairs = [(r.key, r.last_id) for r in still if r.last_id is not None]
+        unset = [r.key for r in still if r.last_id is None]
+        which = [tuple_(s.c.key, s.c.last_id).in_(pairs)] if pairs else []
+        which += [and_(s.c.key.in_(unset), s.c.last_id.is_(None))] if unset else []
+        return conn.execute(delete(s).where(or_(*which))).rowcount
 
     def set_tails(self, conn: Connection, tails: Mapping[str, int]) -> None:
         """Each key's last job is now ``tails[key]`` (rows this transaction locked with ``lock_tails``)."""
