@@ -320,6 +320,11 @@ class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Bat
         """``stmt`` made to pass over rows other sessions hold locked (as is, where rows are not locked)."""
         return stmt
 
+    def by_state(self, stmt: Select[Any]) -> Select[Any]:
+        """``stmt``, the newest jobs of one live state (the dashboard's ``since`` list), read through that state's
+        index rather than backwards along the primary key, where the planner would not choose so itself."""
+        return stmt
+
     def claim_capped(self, conn: Connection, limits: Table, row: str, kind: str, running: int, budget: int,
                      worker: str, token: str, lease: float, queues: Sequence[str] | None,
                      alone: bool) -> tuple[list[Claimed], bool] | None:
