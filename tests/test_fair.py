@@ -3,11 +3,13 @@ not stuck behind a big one's backlog. The claim's own order is tested in tests/d
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import func, select
@@ -18,7 +20,7 @@ from sqla_jobs.errors import ConfigError, InvalidJob
 from tests import app, fair_app, forkserver
 from tests.conftest import ROOT, Database, run_cli
 from tests.dashboard_helpers import client
-from tests.helpers import enqueue
+from tests.helpers import enqueue, run_burst
 from tests.test_limits import _stop
 
 
@@ -145,3 +147,30 @@ def test_enqueue_many_carries_the_key(db: Database) -> None:
                                               {"kind": "noop", "queue": "fair", "fair_key": ""}])
     with Session(db.engine) as session:
         assert session.scalar(select(func.count()).select_from(app.Job)) == 7
+
+
+def test_a_worker_of_fair_queues_alone_claims_their_kinds_with_limits(db: Database) -> None:
+    """Kinds with a running limit are claimed under it, not by the fair claim. A worker serving only fair queues
+    (``--queue fair``) never claimed them: they waited for ever. Now every job runs, the limit held."""
+    limited: JobQueue[app.Job, app.DeadJob] = JobQueue(app.Job, app.DeadJob, check_kinds=False,
+                                                       fair={"fair": FairQueue()})
+    spans: list[tuple[float, float]] = []
+
+    @limited.handler("timed", limit=1)
+    def timed(payload: dict[str, Any]) -> None:
+        started = time.monotonic()
+        time.sleep(0.02)
+        spans.append((started, time.monotonic()))
+
+    limited.handler("noop")(lambda payload: None)
+    limited.create_tables(db.engine)
+    with Session(db.engine) as session, session.begin():
+        session.add_all([app.Job(kind="timed", queue="fair", fair_key=f"t{i % 2}", payload={}) for i in range(4)])
+        session.add_all([app.Job(kind="noop", queue="fair", fair_key="t0", payload={}) for _ in range(4)])
+    run_burst(db.engine, limited, concurrency=4, queues=["fair"])
+    with Session(db.engine) as session:
+        states = session.execute(select(app.Job.kind, app.Job.state, func.count())
+                                 .group_by(app.Job.kind, app.Job.state)).all()
+    assert sorted(states) == [("noop", "finished", 4), ("timed", "finished", 4)]
+    spans.sort()
+    assert all(later[0] >= earlier[1] for earlier, later in itertools.pairwise(spans)), spans

@@ -54,16 +54,20 @@ def fair_turns(store: _Store, fair: list[str], ok: list[Outcome], limit: int, to
     lately: on a queue table whose pending jobs are mostly the fair queues', it walks past them all.
     """
     others = plain and (queues is None or bool(set(queues) - set(fair)))
+    # The kinds with limits are left out of the fair claims (``skip_kinds``) and claimed under their limits by
+    # the plain turn, in every queue the worker serves: so it comes each time, without its ordinary claim when
+    # there are no other queues (a worker of fair queues alone never claimed them: they waited for ever).
+    limited = store.limited_kinds
     store.fair_turn += 1
     jobs: list[Claimed] = []
     waiting = short = False
-    for name in _rotated([*fair, *([None] if others else [])], store.fair_turn):
+    for name in _rotated([*fair, *([None] if others or limited else [])], store.fair_turn):
         free = limit - len(jobs)
         if free <= 0 or waiting or (jobs and jobs[0].isolated):
             break
         if name is None:
-            got, left, others_short = store.finish_and_claim_plain(ok, free, token, alone and not jobs, queues, plain)
-            short = others_short or len(got) < free
+            got, left, others_short = store.finish_and_claim_plain(ok, free, token, alone and not jobs, queues, others)
+            short = others and (others_short or len(got) < free)
         else:
             spec = store.fair[name]
             with store.hot() as conn:
