@@ -139,6 +139,24 @@ def test_a_fair_claim_reads_a_few_rows_on_a_table_its_statistics_know(pg: Databa
     assert most_rows_read(plan) <= 64, plan  # 16 claimed, 17 locked of A's, the walk's 11 keys
 
 
+def test_a_big_key_beside_a_small_one_fills_the_fair_claim_in_one_probe(pg: Database) -> None:
+    """Tenant A with 100,000 pending jobs, tenant B with one: A's turn takes the rest of the claim at once, so
+    the top-up (``extra``: a second probe of A's jobs, which each such claim made) does not run."""
+    app.queue.create_tables(pg.engine)
+    with pg.engine.begin() as conn:
+        add_fair_jobs(conn, "'A'", 100_000)
+        add_fair_jobs(conn, "'B'", 1)
+        conn.exec_driver_sql("ANALYZE jobs")
+    with pg.engine.connect() as conn:
+        plans = explain_what_runs(conn)
+        conn.commit()
+        jobs, _, _ = claim_fair(conn.execution_options(isolation_level="AUTOCOMMIT"))
+    (plan,) = [p for p in plans if "CTE walk" in p]
+    extra = plan[plan.index("CTE extra"):plan.index("CTE due")]
+    assert len(jobs) == 16 and extra.count("LockRows") == 2, plan
+    assert all("never executed" in line for line in extra.splitlines() if "LockRows" in line), extra
+
+
 def test_the_fair_claim_is_sent_with_postgresqls_own_parameters() -> None:
     """psycopg parses a ``%(name)s`` statement of over 4,096 characters anew at each execute (the fair claim:
     6,000); ``Positional`` turns it into ``$n`` once, each name one number, and orders the values to match."""

@@ -6,12 +6,13 @@ after the claimer's cursor (the last key it served) and wrapping round once, so 
 entries however many pending jobs and distinct keys the queue holds (``OFFSET 0`` keeps the planner from
 copying each probe into every expression that reads its result: it ran each four times). ``slots`` adds the
 keyless turn (jobs with no ``fair_key``) where the ring wraps, and each key's weight. ``picked`` takes each slot's most
-urgent due jobs, ``weight * rounds`` of them and one more (which says the key has more),
+urgent due jobs, ``weight * rounds`` of them and up to ``rounds`` more, within the claim's size (``_TOOK``),
 ``FOR UPDATE SKIP LOCKED`` (a lateral probe of the same index): ``rounds`` is how many rounds of the slots
-found fill the claim, so at most ``2 * limit + sum(weights)`` rows are locked, those not claimed until the
-statement's commit. When slots ran dry before the claim was full, ``extra`` tops it up from the slots
-that still had more, round-robin in ring order again (work-conserving: a lone big key drains at full
-speed); that happens only while the keys found hold fewer than ``limit`` due jobs between them. ``due`` orders
+found fill the claim, so at most ``2 * (limit + sum(weights))`` rows are locked, those not claimed until the
+statement's commit. The turns' spare jobs rank after every turn; so a big key beside small ones fills the
+claim in its one probe. When slots ran dry before the claim was full all the same, ``extra`` tops it up from
+the slots that took all they could, round-robin in ring order again (work-conserving: a lone big key drains
+at full speed). ``due`` orders
 them round by round, in ring order, and keeps ``limit``; the rest of the claim (isolated jobs, the
 UPDATE) is the plain claim's. The claimed rows come back with their key and place in the order, so the
 caller moves its cursor to the last key served.
@@ -69,6 +70,11 @@ _TAKE = f"""SELECT id, isolate, priority, run_at,
 # equal to a value from the ORDER BY, and then ix_<table>_pending's order served too; with the table's statistics
 # it walked that index past a big tenant's jobs for each small key's turn (50 ms a key, 0.5 s a claim).
 
+# A turn's jobs and as many again, up to the claim's size, at most a round's worth more: one big key beside a
+# few small ones fills the claim in this one probe (it was `+ 1`, the rest a second probe of that key, `extra`),
+# and all the turns together lock at most twice the claim and its weights.
+_TOOK = "s.w * rounds.r + greatest(0, least(rounds.r, %(limit)s - s.w * rounds.r))"
+
 FAIR_CLAIM = """
 WITH RECURSIVE {done}walk(k, lap, pos) AS (
     SELECT s.k, s.lap, 1 FROM (
@@ -92,19 +98,19 @@ WITH RECURSIVE {done}walk(k, lap, pos) AS (
 ), rounds AS (
     SELECT ceil(%(limit)s::numeric / sum(w))::int AS r FROM slots
 ), picked AS MATERIALIZED (
-    SELECT j.*, s.k, s.ring, s.w, s.w * rounds.r AS cap FROM slots AS s CROSS JOIN rounds CROSS JOIN LATERAL (
-        {take_keyed}) AS j WHERE s.k IS NOT NULL
+    SELECT j.*, s.k, s.ring, s.w, s.w * rounds.r AS cap, {took} AS took
+    FROM slots AS s CROSS JOIN rounds CROSS JOIN LATERAL ({take_keyed}) AS j WHERE s.k IS NOT NULL
     UNION ALL
-    SELECT j.*, s.k, s.ring, s.w, s.w * rounds.r FROM slots AS s CROSS JOIN rounds CROSS JOIN LATERAL (
-        {take_keyless}) AS j WHERE s.k IS NULL
+    SELECT j.*, s.k, s.ring, s.w, s.w * rounds.r, {took}
+    FROM slots AS s CROSS JOIN rounds CROSS JOIN LATERAL ({take_keyless}) AS j WHERE s.k IS NULL
 ), full_slots AS (
     SELECT k, ring, %(limit)s - (SELECT count(*) FROM picked) AS n FROM picked
-    GROUP BY k, ring HAVING count(*) > max(cap)
+    GROUP BY k, ring HAVING count(*) >= max(took)
 ), extra AS MATERIALIZED (
-    SELECT j.*, t.k, t.ring, 1 AS w, 0 AS cap FROM full_slots AS t CROSS JOIN LATERAL (
+    SELECT j.*, t.k, t.ring, 1 AS w, 0 AS cap, 0 AS took FROM full_slots AS t CROSS JOIN LATERAL (
         {extra_keyed}) AS j WHERE t.k IS NOT NULL AND t.n > 0
     UNION ALL
-    SELECT j.*, t.k, t.ring, 1, 0 FROM full_slots AS t CROSS JOIN LATERAL (
+    SELECT j.*, t.k, t.ring, 1, 0, 0 FROM full_slots AS t CROSS JOIN LATERAL (
         {extra_keyless}) AS j WHERE t.k IS NULL AND t.n > 0
 ), due AS MATERIALIZED (
     SELECT id, isolate, ord FROM (
@@ -147,8 +153,9 @@ def fair_claim_sql(live: str, finish: str) -> str:
         first=_NEXT.format(live=live, after="%(after)s"),
         step=_NEXT.format(live=live, after="w.k"),
         lowest=_LOWEST.format(live=live),
-        take_keyed=take("fair_key >= s.k AND fair_key <= s.k", "s.w * rounds.r + 1"),
-        take_keyless=take("fair_key IS NULL", "s.w * rounds.r + 1"),
+        take_keyed=take("fair_key >= s.k AND fair_key <= s.k", _TOOK),
+        take_keyless=take("fair_key IS NULL", _TOOK),
+        took=_TOOK,
         extra_keyed=take("fair_key >= t.k AND fair_key <= t.k", "greatest(t.n, 0)", others),
         extra_keyless=take("fair_key IS NULL", "greatest(t.n, 0)", others),
     )
