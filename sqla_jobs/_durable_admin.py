@@ -49,7 +49,7 @@ class DurableAdmin:
         """``emit_event`` for many events at once, in the caller's transaction: ``events`` maps each key to its
         data (or is an iterable of ``(key, data)`` pairs). The same as ``emit_event`` of each in turn (the first
         emit of a key wins, here too: a key given twice keeps its first data), in a few statements whatever the
-        number of events (PostgreSQL, SQLite, MariaDB; one round of them per 5,000 events). Every key and data is
+        number of events (on SQLite and MariaDB, one round of them per 5,000 events). Every key and data is
         checked first (InvalidJob, as ``emit_event``), so a bad one writes nothing. Returns how many parked jobs
         the events made due."""
         return self._emit(session, events, None)[1]
