@@ -149,6 +149,10 @@ class AsyncAdmin(Generic[J]):
         """``queue.emit_event``: emit event ``key`` in the caller's transaction (None: it was emitted before)."""
         return await _run(session, "emit_event", partial(self._admin.emit_event, key=key, data=data))
 
+    async def emit_events(self, session: AsyncSession, events: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> int:
+        """``queue.emit_events``: emit many events in the caller's transaction; how many parked jobs they made due."""
+        return await _run(session, "emit_events", partial(self._admin.emit_events, events=events))
+
     async def job_steps(self, session: AsyncSession, job_id: int) -> list[Any]:
         """``queue.job_steps``: a job's steps, sleeps and waits as stored."""
         return await _run(session, "job_steps", partial(self._admin.job_steps, job_id=job_id))

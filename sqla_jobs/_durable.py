@@ -31,7 +31,8 @@ returns its stored value without being called::
   waiting), or None once ``timeout`` has passed without it; parks the job meanwhile.
   ``queue.emit_event(session, key, data)`` (``queue.aio.emit_event`` for an AsyncSession) stores
   the event in the caller's transaction and makes the jobs waiting for it due at its commit;
-  the first emit of a key wins, later ones change nothing. Emitted events are kept until
+  the first emit of a key wins, later ones change nothing. ``queue.emit_events(session, {key:
+  data, ...})`` does the same for many events in a few statements. Emitted events are kept until
   ``queue.prune`` removes those older than its age.
 
 Sleeps and waits are steps too (named ``sleep:1``, ``sleep:2`` ... in the order a run reaches
@@ -45,7 +46,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -64,7 +65,7 @@ if TYPE_CHECKING:
 #: A run's ``JobContext`` (``sqla_jobs._context``, which imports this module: typed loosely here, no cycle).
 RunContext = Any
 
-__all__ = ["DurableStore", "emit_event", "step", "step_async", "wait_for_event", "wait_for_event_async"]
+__all__ = ["DurableStore", "emit_events", "step", "step_async", "wait_for_event", "wait_for_event_async"]
 
 
 class DurableStore(Protocol):
@@ -330,7 +331,14 @@ async def wait_for_event_async(ctx: RunContext, key: str, timeout: timedelta | f
 # -- emitting ----------------------------------------------------------------------------------
 
 
-def emit_event(driver: Driver, conn: Connection, key: str, data: Any, limit: int) -> int | None:
-    """Store event ``key`` in ``conn``'s transaction (see ``JobQueue.emit_event``)."""
-    checked = json.loads(encode_value(data, limit, f"the data of event {key!r}"))
-    return driver.emit(conn, check_key(key), checked)
+def emit_events(driver: Driver, conn: Connection, events: Mapping[str, Any] | Iterable[tuple[str, Any]],
+                limit: int) -> tuple[set[str], int]:
+    """Store ``events`` in ``conn``'s transaction (see ``JobQueue.emit_events``): every key and data checked before
+    anything is written, the first of a key given twice kept. The keys emitted, and how many parked jobs they woke."""
+    first: dict[str, Any] = {}
+    for item in events.items() if isinstance(events, Mapping) else events:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise TypeError(f"events are a mapping of key to data, or (key, data) pairs: not {item!r}")
+        key = check_key(item[0])
+        first.setdefault(key, json.loads(encode_value(item[1], limit, f"the data of event {key!r}")))
+    return driver.emit_many(conn, first) if first else (set(), 0)

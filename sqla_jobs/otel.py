@@ -29,7 +29,8 @@ statement (``sqla_jobs.worker.run_reads``); the async worker's runs read their o
 ``sqla_jobs.step.outcome`` ``ran`` or ``replayed`` (its stored value returned), and its function's error
 recorded; each sleep or wait is one too (``sleep <name>``, ``wait <key>``: ``parked``, ``passed``, ``event``,
 ``timed out`` or ``woke``). ``queue.emit_event`` is a ``PRODUCER`` span ``emit <key>`` in the caller's trace,
-with ``sqla_jobs.event.woken``: how many parked jobs it made due.
+with ``sqla_jobs.event.woken``: how many parked jobs it made due; ``queue.emit_events`` is one span
+``emit <n> events`` (``messaging.batch.message_count``: n) with the same count.
 
 **Relay.** ``sqla-jobs relay`` sends each message of a job with a stored context in a ``PRODUCER`` span
 ``send <destination>``, child of the enqueuing span (status ERROR if the broker refused it or was lost), and
@@ -210,11 +211,17 @@ class _Tracing:
                 raise
 
     @contextmanager
-    def emit(self, key: str) -> Iterator[Span]:
-        """``queue.emit_event``: a span in the caller's trace, with the key and how many parked jobs it woke."""
-        with self.tracer.start_as_current_span(f"emit {key}", kind=SpanKind.PRODUCER, attributes={
-                "messaging.system": SYSTEM, "messaging.operation.name": "emit", "messaging.operation.type": "send",
-                "sqla_jobs.event.key": key}) as span:
+    def emit(self, key: str | None, count: int = 1) -> Iterator[Span]:
+        """``queue.emit_event`` (``key``) or ``emit_events`` (``count`` events, no key): a span in the caller's trace,
+        with the key or the batch's size, and how many parked jobs it woke."""
+        attributes: dict[str, Any] = {"messaging.system": SYSTEM, "messaging.operation.name": "emit",
+                                      "messaging.operation.type": "send"}
+        if key is not None:
+            attributes["sqla_jobs.event.key"] = key
+        else:
+            attributes["messaging.batch.message_count"] = count
+        name = f"emit {key}" if key is not None else f"emit {count} events"
+        with self.tracer.start_as_current_span(name, kind=SpanKind.PRODUCER, attributes=attributes) as span:
             yield span
 
     # -- the relay -------------------------------------------------------------------------------------

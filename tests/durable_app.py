@@ -112,8 +112,37 @@ async def async_waiter(payload: dict[str, Any]) -> Any:
 
 
 async def _async_effect(name: str) -> str:
-    await asyncio.to_thread(record, f"step-{name}")
-    return name
+    return await asyncio.to_thread(effect, name)  # its kill, if the payload names it, from that thread
+
+
+@queue.handler("d_async_steps")
+async def async_steps(payload: dict[str, Any]) -> list[Any]:
+    """``d_steps`` as an ``async def`` handler: ``n`` steps through ``step_async``."""
+    job = current_job()
+    done = []
+    for i in range(payload.get("n", 5)):
+        done.append(await job.step_async(f"s{i}", _async_effect, f"s{i}"))
+        _maybe_die(f"after-s{i}")
+    return done
+
+
+@queue.handler("d_async_tx", transactional=True)
+async def async_transactional(payload: dict[str, Any]) -> str:
+    """``d_tx``'s steps as an ``async def`` transactional handler: each effect row goes through its AsyncSession."""
+    job = current_job()
+    session = job.session
+    assert session is not None
+
+    async def write(name: str) -> str:
+        await session.execute(insert(Effect).values(job_id=job.id, attempt=job.attempt, event=f"step-{name}",
+                                                    pid=os.getpid()))
+        _maybe_die(f"step-{name}")
+        return name
+
+    for i in range(payload.get("n", 2)):
+        await job.step_async(f"t{i}", write, f"t{i}")
+        _maybe_die(f"after-t{i}")
+    return "done"
 
 
 @queue.handler("d_twice")

@@ -5,6 +5,8 @@ lost run back at once and starts a new process; a worker process runs the job ag
 A plain step's side effect happens at least once: exactly once when the process died after its
 checkpoint, twice when it died inside the step (after the effect, before the checkpoint). A
 transactional handler's steps write their effects through its session: exactly once wherever it died.
+The same holds for the async worker (``worker --async``) running the ``async def`` twins of the
+handlers, whose transactional steps write through the handler's AsyncSession.
 """
 
 from __future__ import annotations
@@ -30,24 +32,32 @@ PLAIN = [f"{where}-s{i}" for i in range(5) for where in ("step", "after")]
 TRANSACTIONAL = [f"{where}-t{i}" for i in range(5) for where in ("step", "after")]
 
 
-def _run(db: Database, kills: Path) -> None:
-    """One supervisor with two worker processes of one thread, each restarted after its kill, until no job is due."""
+#: Per worker: its extra option, the kinds of the plain and the transactional 5-step handlers (tests/durable_app.py).
+WORKERS = {"threaded": ([], "d_steps", "d_tx"), "async": (["--async"], "d_async_steps", "d_async_tx")}
+
+
+def _run(db: Database, kills: Path, option: list[str]) -> None:
+    """One supervisor with two worker processes running one job at a time, each restarted after its kill, until no
+    job is due."""
     worker = forkserver.Popen(
-        [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "WARNING", "worker", "--burst", "--processes", "2",
-         "--concurrency", "1", "--poll-interval", "0.05", "--app", "tests.durable_app:queue"],
+        [sys.executable, "-m", "sqla_jobs.cli", "--log-level", "INFO", "worker", *option, "--burst",
+         "--processes", "2", "--concurrency", "1", "--poll-interval", "0.05", "--app", "tests.durable_app:queue"],
         env=db.env(SQLA_JOBS_TEST_KILL_DIR=str(kills)), cwd=ROOT, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     _, err = worker.communicate(timeout=300)
     assert worker.returncode == 0, err
+    assert ("started (async)" in err) == ("--async" in option), err  # the worker it meant to kill
 
 
-def test_a_worker_killed_in_and_after_each_step_repeats_only_the_step_it_died_in(db: Database,
-                                                                                  tmp_path: Path) -> None:
-    plain = {point: enqueue(db.engine, "d_steps", {"n": 5, "kill_at": point}) for point in PLAIN}
-    tx = {point: enqueue(db.engine, "d_tx", {"n": 5, "kill_at": point}) for point in TRANSACTIONAL}
+@pytest.mark.parametrize("flavour", WORKERS)
+def test_a_worker_killed_in_and_after_each_step_repeats_only_the_step_it_died_in(db: Database, tmp_path: Path,
+                                                                                  flavour: str) -> None:
+    option, plain_kind, tx_kind = WORKERS[flavour]
+    plain = {point: enqueue(db.engine, plain_kind, {"n": 5, "kill_at": point}) for point in PLAIN}
+    tx = {point: enqueue(db.engine, tx_kind, {"n": 5, "kill_at": point}) for point in TRANSACTIONAL}
     kills = tmp_path / "kills"
     kills.mkdir()
-    _run(db, kills)
+    _run(db, kills, option)
     assert sorted(p.name for p in kills.iterdir()) == sorted(str(i) for i in [*plain.values(), *tx.values()])
     for point, job_id in plain.items():
         row = job(db.engine, job_id)

@@ -306,6 +306,23 @@ def test_a_durable_jobs_steps_and_waits_are_child_spans_and_an_emit_is_a_span_of
     assert runs() == [expected]
 
 
+
+def test_emit_events_is_one_producer_span_of_its_caller_with_the_batch_size_and_the_jobs_it_woke(
+        db: Database, tracer: tuple[Tracer, InMemorySpanExporter]) -> None:
+    from tests import durable_app  # noqa: F401 - registers the durable handlers on tests.app's queue
+
+    tracer_, exporter = tracer
+    with Session(db.engine) as session, session.begin():
+        app.queue.enqueue(session, "d_wait", {"key": "paid:batch"})
+    Worker(db.engine, app.queue, poll_interval=0.05).run(burst=True)  # parks at the wait
+    exporter.clear()
+    with tracer_.start_as_current_span("POST /webhook") as hook, Session(db.engine) as session, session.begin():
+        assert app.queue.emit_events(session, {"paid:batch": 1, "paid:other": 2}) == 1
+    [emit] = [s for s in exporter.get_finished_spans() if s.name.startswith("emit")]
+    assert (emit.name, str(emit.kind)) == ("emit 2 events", "SpanKind.PRODUCER")
+    assert emit.parent is not None and emit.parent.span_id == hook.get_span_context().span_id
+    assert emit.attributes["messaging.batch.message_count"] == 2 and emit.attributes["sqla_jobs.event.woken"] == 1
+
 def test_the_threaded_worker_reads_a_claims_trace_contexts_in_one_statement(
         db: Database, tracer: tuple[Tracer, InMemorySpanExporter]) -> None:
     """Not one read per run on its handler thread (where, among many threads, each waited for the GIL): the worker

@@ -56,7 +56,8 @@ def test_public_names_are_pinned() -> None:
 #: (sqla_jobs/_registry.py, sqla_jobs/_admin.py) must not change it.
 APP_METHODS = [
     "aio", "batch", "batches", "cancel", "check_job", "check_schema", "create_tables", "dashboard", "driver",
-    "emit", "emit_event", "enqueue", "enqueue_many", "enqueue_periodic", "enqueue_unique", "get_dead", "get_event",
+    "emit", "emit_event", "emit_events", "enqueue", "enqueue_many", "enqueue_periodic", "enqueue_unique", "get_dead",
+    "get_event",
     "get_job", "handler", "job_steps", "kind_limits", "list_dead", "list_jobs", "listens", "off", "on", "periodic",
     "prune", "purge_dead", "requeue_dead", "result", "retry_delay", "retry_now", "stats", "unknown_kind_message",
     "waiting_for",

@@ -76,7 +76,7 @@ class Sequences:
     if TYPE_CHECKING:  # Driver's own (declared here for the type checker only: Driver must win the MRO)
         edges: Table
 
-        def upsert(self, conn: Connection, table: Table, row: dict[str, Any],
+        def upsert(self, conn: Connection, table: Table, row: dict[str, Any] | list[dict[str, Any]],
                    update: Sequence[str] = ()) -> None: ...
 
         def lock_upstreams(self, conn: Connection, ids: Sequence[int]) -> dict[int, tuple[str, str | None]]: ...

@@ -296,12 +296,14 @@ class SQLiteDriver(Driver):
         # Writers take turns on SQLite, so the conflict is always with a committed holder.
         return on_conflict_insert(self, conn, row, sqlite.insert)
 
-    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
-        conn.execute(upsert_statement(sqlite.insert(table).values(**row), table, update))
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any] | list[dict[str, Any]],
+               update: Sequence[str] = ()) -> None:
+        conn.execute(upsert_statement(sqlite.insert(table).values(row), table, update))
 
-    def emit_row(self, conn: Connection, key: str, data: Any) -> bool:
-        row = {"key": key, "data": data, "emitted_at": self.now(), "created_at": self.now()}
-        return conn.execute(emit_statement(sqlite.insert(self.events).values(**row), self.events)).first() is not None
+    def emit_rows(self, conn: Connection, events: dict[str, Any]) -> set[str]:
+        now = self.now()
+        rows = [{"key": key, "data": data, "emitted_at": now, "created_at": now} for key, data in events.items()]
+        return set(conn.scalars(emit_statement(sqlite.insert(self.events).values(rows), self.events)))
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("json_insert(COALESCE(errors, '[]'), '$[#]', json(:entry))").bindparams(entry=json.dumps(entry))

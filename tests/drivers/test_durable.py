@@ -82,6 +82,30 @@ def test_an_emit_racing_a_park_in_flight_waits_for_it_and_wakes_it(backend: Back
     assert woken == [1] and _due(backend, job_id)
 
 
+def test_an_emit_of_many_racing_a_park_in_flight_waits_for_it_and_wakes_it(backend: Backend) -> None:
+    """The rendezvous holds for ``emit_many`` too: its keys' rows wait for the park's, then it sees the parked step."""
+    [job_id] = backend.insert(1, run_at=PAST)
+    [claimed] = backend.claim(1)
+    parked, answers = threading.Event(), []
+
+    def emitter() -> None:
+        parked.wait()
+        answers.append(in_write(backend, lambda conn: backend.driver.emit_many(conn, {"other": 1, "race3": 2})))
+
+    thread = threading.Thread(target=emitter)
+    thread.start()
+    with backend.write() as conn:
+        until = datetime.now(timezone.utc) + timedelta(hours=1)
+        assert backend.driver.park(conn, job_id, "wait", until, until, "race3") is False
+        backend.driver.release(conn, claimed.fence, delay=3600, refund=True)
+        parked.set()
+        time.sleep(0.5)
+        assert answers == []
+    thread.join(30)
+    assert answers == [({"other", "race3"}, 1)] and _due(backend, job_id)
+    steps = {r.name: r for r in in_write(backend, lambda conn: backend.driver.job_steps(conn, job_id))}
+    assert steps["wait"].value == 2 and steps["wait"].finished_at is not None
+
 def test_a_park_racing_an_emit_in_flight_waits_for_it_and_reads_it(backend: Backend) -> None:
     [job_id] = backend.insert(1, run_at=PAST)
     backend.claim(1)

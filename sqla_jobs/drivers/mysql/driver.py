@@ -28,7 +28,7 @@ accept (no RETURNING, no ``CAST … AS JSON``, no partial indexes).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any, ClassVar
 
@@ -274,17 +274,18 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
             entry=json.dumps(entry)
         )
 
-    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any] | list[dict[str, Any]],
+               update: Sequence[str] = ()) -> None:
         # Nothing to update: the key set to itself (not INSERT IGNORE, which turns other errors into warnings).
-        stmt = mysql.insert(table).values(**row)
+        stmt = mysql.insert(table).values(row)
         first = table.primary_key.columns.values()[0]
         changes = {c: stmt.inserted[c] for c in update} or {first.name: first}
         conn.execute(stmt.on_duplicate_key_update(changes))
 
-    def wake_waiting(self, conn: Connection, key: str) -> int:
+    def wake_waiting(self, conn: Connection, keys: Collection[str]) -> int:
         # A locking read first: REPEATABLE READ then reads the latest parked steps, not this transaction's snapshot.
         s, t = self.steps, self.jobs
-        ids = list(conn.scalars(select(s.c.job_id).where(s.c.awaiting == key, s.c.finished_at.is_(None))
+        ids = list(conn.scalars(select(s.c.job_id).where(self.among(s.c.awaiting, keys), s.c.finished_at.is_(None))
                                 .with_for_update()))
         now = self.now()
         woken = 0

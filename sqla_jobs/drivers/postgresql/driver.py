@@ -40,7 +40,7 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
 
 from ...errors import ConfigError
-from .._durable import emit_statement, upsert_statement
+from .._durable import upsert_statement
 from .._graph import SKIPPED
 from .._unique import on_conflict_insert
 from ..base import Claimed, Fence
@@ -49,6 +49,7 @@ from .async_listen import PgAsyncListener
 from .bench import PgBench
 from .claim import CLAIMED, run_claim
 from .copy import copy_rows
+from .durable import PgDurable
 from .listen import PgListener
 from .notify import notify_channel, notify_trigger_ddl, notify_trigger_name, pg_name
 from .partitions import PartitionedMode
@@ -97,7 +98,7 @@ WHERE isolate AND id NOT IN (SELECT id FROM alone)
 """
 
 
-class PostgreSQLDriver(fair.PgFair, PgSchema, PgVacuum, PgBench, PartitionedMode, moves.MovedRows):
+class PostgreSQLDriver(PgDurable, fair.PgFair, PgSchema, PgVacuum, PgBench, PartitionedMode, moves.MovedRows):
     """PostgreSQL: see the module docstring; the partitioned mode's methods are in ``pg_partitions``."""
 
     name = "postgresql"
@@ -357,13 +358,9 @@ class PostgreSQLDriver(fair.PgFair, PgSchema, PgVacuum, PgBench, PartitionedMode
             return partitions.insert_unique(self, conn, row)
         return on_conflict_insert(self, conn, row, postgresql.insert)
 
-    def upsert(self, conn: Connection, table: Table, row: dict[str, Any], update: Sequence[str] = ()) -> None:
-        conn.execute(upsert_statement(postgresql.insert(table).values(**row), table, update))
-
-    def emit_row(self, conn: Connection, key: str, data: Any) -> bool:
-        row = {"key": key, "data": data, "emitted_at": self.now(), "created_at": self.now()}
-        stmt = emit_statement(postgresql.insert(self.events).values(**row), self.events)
-        return conn.execute(stmt).first() is not None
+    def upsert(self, conn: Connection, table: Table, row: dict[str, Any] | list[dict[str, Any]],
+               update: Sequence[str] = ()) -> None:
+        conn.execute(upsert_statement(postgresql.insert(table).values(row), table, update))
 
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         return text("COALESCE(errors, '[]'::jsonb) || jsonb_build_array(CAST(:entry AS jsonb))").bindparams(
