@@ -5,7 +5,7 @@ decode, a whitespace scan on each side of the value and the parse. PostgreSQL pr
 value with nothing around it, so the parse alone (``JSONDecoder.raw_decode`` of the text) gives the
 same object; a value with more after it is read by ``json.loads`` itself, error and all. On a
 claim of no-op jobs the payload was most of the CPU psycopg spent loading a claimed row
-(2.8 µs a row against 1.3 µs, docs/performance.md "The worker's own CPU per job").
+(2.8 µs a row against 1.3 µs: docs/performance.md, "The worker's own CPU per job").
 
 Only the claim's cursor reads through it (``faster_payloads``), and only while the connection reads
 ``jsonb`` with psycopg's loader and ``json.loads``: a ``json_deserializer`` given to the engine, or
