@@ -140,6 +140,10 @@ class RelayStore(Store):
     def upkeep(self) -> None:
         """None: the table's upkeep is the workers' leader's."""
 
+    def report_all(self, outcomes: list[Outcome], name: str) -> None:
+        for o in outcomes:  # each counted as published, or not, by report
+            self.report(o, name)
+
     def report(self, o: Outcome, name: str) -> None:
         if o.result == "broker_lost":  # the relay logged the lost broker once for the batch; no hook, as ever
             self.processed += 1

@@ -250,9 +250,10 @@ class Executor(RunReads):
     def _execute(self, run: Run, loop: asyncio.AbstractEventLoop | None) -> Outcome:
         job, ctx, handler = run.job, run.ctx, run.handler
         started = time.monotonic()
-        outcome = outcome_of(run, started)
+        # outcome_of(run, started) makes every outcome but the common success (made only where needed: it
+        # is a closure per call, and most runs end in the short path below).
         if handler is None:
-            return outcome("error", f"UnknownKind: {self.queue.unknown_kind_message(job.kind)}")
+            return outcome_of(run, started)("error", f"UnknownKind: {self.queue.unknown_kind_message(job.kind)}")
         if self.queue.listens("started"):
             self.queue.emit(JobEvent("started", job.id, job.kind, job.queue, job.attempt, job.max_attempts))
         token = _current.set(ctx)
@@ -264,7 +265,7 @@ class Executor(RunReads):
                         raise ConfigError(f"handler {job.kind!r} is async and transactional: "
                                           "run it with AsyncWorker (sqla-jobs worker --async)")
                     self._execute_in_transaction(run)
-                    return outcome("committed")
+                    return outcome_of(run, started)("committed")
                 if handler.is_async:
                     assert loop is not None
                     task = loop.create_task(asyncio.wait_for(handler.fn(job.payload), handler.timeout))
@@ -277,9 +278,9 @@ class Executor(RunReads):
                     value = handler.fn(job.payload)
             if value is None and not self.progress and not run.cancel_requested:
                 return Outcome(job, "ok", time.monotonic() - started)  # the common case, kept short
-            return self._succeeded(run, outcome("ok"), value)
+            return self._succeeded(run, outcome_of(run, started)("ok"), value)
         except BaseException as exc:
-            return self._raised(run, exc, dropped, outcome)
+            return self._raised(run, exc, dropped, outcome_of(run, started))
         finally:
             _current.reset(token)
 

@@ -31,7 +31,7 @@ class _CancelBeforeCommit(Exception):
     """A cancel request reached a transactional run before its commit: its writes are rolled back."""
 
 
-@dataclass
+@dataclass(slots=True)  # made per job: slots make it faster to build than a __dict__ (so for Outcome)
 class Run:
     """One claimed job on its way through a handler thread."""
 
@@ -52,7 +52,7 @@ class Run:
     traces: dict[int, dict[str, str]] | None = None  # its claim's stored trace contexts (sqla_jobs.otel), if read
 
 
-@dataclass
+@dataclass(slots=True)
 class Outcome:
     """What became of one run, waiting to be written."""
 

@@ -220,6 +220,10 @@ class Store:
         kept = self.finish_declined(ok, kept)
         for o in ok:
             o.written = True
+        if len(kept) == len(ok):  # kept holds ids of ok only: every run was finished
+            self.report_all(ok, "finished")
+            return
+        for o in ok:
             self.report(o, "finished" if o.job.id in kept else "lost")
 
     def finish_declined(self, ok: list[Outcome], kept: set[int]) -> set[int]:
@@ -332,6 +336,17 @@ class Store:
             return verdict.event
         # Not ours any more: a commit may have gone through with only its reply lost.
         return "finished" if o.committing and self.driver.finished_under(conn, job.fence) else "lost"
+
+    def report_all(self, outcomes: list[Outcome], name: str) -> None:
+        """``report`` of each of ``outcomes`` under one ``name`` (a batch's successes). When a report would
+        neither log nor call a hook, only the count moves: checked once for the batch, not once per job.
+        A store whose ``report`` does more (the relay's) overrides this too."""
+        level = logging.WARNING if name in ("dead_letter", "lost") else logging.INFO
+        if log.isEnabledFor(level) or self.queue.listens(_EVENT[name]):
+            for o in outcomes:
+                self.report(o, name)
+        else:
+            self.processed += len(outcomes)
 
     def report(self, o: Outcome, name: str) -> None:
         job = o.job

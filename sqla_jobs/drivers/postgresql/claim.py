@@ -93,7 +93,8 @@ def in_transaction(raw: Any) -> bool:
 
 
 def _statement(sql: str | Positional, params: dict[str, Any], asynchronous: bool) -> tuple[str, Any, Any]:
-    """The text, the parameters and the cursor class that sends them: the raw cursor for a ``Positional``."""
+    """The text, the parameters and the cursor class that sends them: the raw cursor for a ``Positional``.
+    The claim's cursor reads the claimed payloads through ``faster_payloads`` (payloads.py)."""
     import psycopg
 
     if isinstance(sql, Positional):
@@ -109,9 +110,11 @@ def run_claim(raw: Any, sql: str | Positional, params: dict[str, Any],
     planner = _GENERIC_PLANNER if generic else _CLAIM_PLANNER
     if is_async(raw):  # the async worker: we run in its control greenlet, so await
         return await_only(_run_claim_async(raw, sql, params, after, planner))
+    from .payloads import faster_payloads
+
     sql, values, cursor_class = _statement(sql, params, asynchronous=False)
     if raw.autocommit and hasattr(raw, "pipeline"):  # the worker's hot connection (psycopg 3): one round trip
-        with raw.cursor() as control, cursor_class(raw) as cursor:
+        with raw.cursor() as control, faster_payloads(cursor_class(raw)) as cursor:
             try:
                 with raw.pipeline():
                     control.execute("BEGIN")
@@ -125,7 +128,8 @@ def run_claim(raw: Any, sql: str | Positional, params: dict[str, Any],
                     raw.execute("ROLLBACK")  # a failed statement left the transaction open: end it
                 raise
             return cursor.fetchall()
-    with raw.cursor() as cursor, cursor_class(raw) as claim:  # in the caller's transaction: settings put back after
+    # In the caller's transaction: the settings are put back after.
+    with raw.cursor() as cursor, faster_payloads(cursor_class(raw)) as claim:
         cursor.execute(planner)
         before = cursor.fetchone()
         claim.execute(sql, values)
@@ -139,9 +143,11 @@ def run_claim(raw: Any, sql: str | Positional, params: dict[str, Any],
 async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str | Positional, params: dict[str, Any],
                            after: tuple[str, dict[str, Any]] | None, planner: str) -> list[Any]:
     """``run_claim`` on psycopg's async connection: the same statements, the same single round trip."""
+    from .payloads import faster_payloads
+
     sql, values, cursor_class = _statement(sql, params, asynchronous=True)
     if raw.autocommit:
-        async with raw.cursor() as control, cursor_class(raw) as cursor:
+        async with raw.cursor() as control, faster_payloads(cursor_class(raw)) as cursor:
             try:
                 async with raw.pipeline():
                     await control.execute("BEGIN")
@@ -155,7 +161,7 @@ async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str | Positio
                     await raw.execute("ROLLBACK")
                 raise
             return await cursor.fetchall()
-    async with raw.cursor() as cursor, cursor_class(raw) as claim:
+    async with raw.cursor() as cursor, faster_payloads(cursor_class(raw)) as claim:
         await cursor.execute(planner)
         before = await cursor.fetchone()
         assert before is not None

@@ -280,9 +280,9 @@ class PostgreSQLDriver(PgDurable, fair.PgFair, PgSchema, PgVacuum, PgBench, Part
             if isinstance(exc, conn.dialect.loaded_dbapi.Error):
                 raise DBAPIError.instance(sql, params, exc, conn.dialect.loaded_dbapi.Error) from exc
             raise
-        finished = {r[1] for r in rows if r[0] is False}
+        finished = {r[1] for r in rows if r[0] is False}  # one row per job finished: ids do not repeat
         claimed = [r for r in rows if r[0]]
-        waiting = any(r[0] is None for r in rows)  # an isolated job was left for an idle worker
+        waiting = len(rows) > len(finished) + len(claimed)  # rows with NULL: isolated jobs left for an idle worker
         if ordered:  # the worker does not need it: a batch never exceeds its free threads, all start at once
             claimed.sort(key=lambda r: (-r[7], r[8], r[1]))
         jobs = [Claimed(r[1], r[2], r[3], r[4], r[5], r[6], r[7], token, bool(r[9]), bool(r[10])) for r in claimed]
