@@ -237,6 +237,9 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
                 app.queue.requeue_dead(session, ids=[job_id])
             self.nodes[job_id].state = "pending"
             self.nodes[job_id].claims = 0  # a new life: it may run once more
+            # ... with no upstream left to wait for, so no failure policy: a requeued on_failure callback runs (it
+            # is not skipped any more) and may be depended on like any job (hypothesis found the model refusing it).
+            self.nodes[job_id].policy = None
 
         @precondition(lambda self: any(n.state == "dead" for n in self.nodes.values()))
         @rule()
