@@ -114,6 +114,22 @@ def claim_fair(conn: Connection, cursor: str = "") -> tuple[Any, bool, str]:
                                                   60.0, False)
 
 
+def big_tenant_claim(pg: Database, small: str, rows: int) -> tuple[Any, str]:
+    """Tenant A's 100,000 pending jobs and ``rows`` more keyed by ``small`` (see ``add_fair_jobs``), analyzed;
+    then one fair claim: its jobs and the plan it ran by."""
+    app.queue.create_tables(pg.engine)
+    with pg.engine.begin() as conn:
+        add_fair_jobs(conn, "'A'", 100_000)
+        add_fair_jobs(conn, small, rows)
+        conn.exec_driver_sql("ANALYZE jobs")
+    with pg.engine.connect() as conn:
+        plans = explain_what_runs(conn)
+        conn.commit()
+        jobs, _, _ = claim_fair(conn.execution_options(isolation_level="AUTOCOMMIT"))
+    (plan,) = [p for p in plans if "CTE walk" in p]
+    return jobs, plan
+
+
 def most_rows_read(plan: str) -> int:
     """The most rows any node of an auto_explain ``plan`` read, over all its loops."""
     return max(int(rows) * int(loops) for rows, loops in re.findall(r"actual time=\S+ rows=(\d+) loops=(\d+)", plan))
@@ -124,17 +140,8 @@ def test_a_fair_claim_reads_a_few_rows_on_a_table_its_statistics_know(pg: Databa
     expressions, so the planner guesses it takes thousands of rows, and it hashed the whole primary key to
     update 16 (180 ms a claim at 100,000 jobs) and compiled the statement with JIT (2 s a claim). Every node of
     the plan that ran reads a few dozen rows at most, and nothing is compiled."""
-    app.queue.create_tables(pg.engine)
-    with pg.engine.begin() as conn:
-        add_fair_jobs(conn, "'A'", 100_000)
-        add_fair_jobs(conn, "chr(66 + i)", 10)
-        conn.exec_driver_sql("ANALYZE jobs")
-    with pg.engine.connect() as conn:
-        plans = explain_what_runs(conn)
-        conn.commit()
-        jobs, _, _ = claim_fair(conn.execution_options(isolation_level="AUTOCOMMIT"))
+    jobs, plan = big_tenant_claim(pg, "chr(66 + i)", 10)
     assert len(jobs) == 16
-    (plan,) = [p for p in plans if "CTE walk" in p]
     assert "JIT" not in plan, plan
     assert most_rows_read(plan) <= 64, plan  # 16 claimed, 17 locked of A's, the walk's 11 keys
 
@@ -142,16 +149,7 @@ def test_a_fair_claim_reads_a_few_rows_on_a_table_its_statistics_know(pg: Databa
 def test_a_big_key_beside_a_small_one_fills_the_fair_claim_in_one_probe(pg: Database) -> None:
     """Tenant A with 100,000 pending jobs, tenant B with one: A's turn takes the rest of the claim at once, so
     the top-up (``extra``: a second probe of A's jobs, which each such claim made) does not run."""
-    app.queue.create_tables(pg.engine)
-    with pg.engine.begin() as conn:
-        add_fair_jobs(conn, "'A'", 100_000)
-        add_fair_jobs(conn, "'B'", 1)
-        conn.exec_driver_sql("ANALYZE jobs")
-    with pg.engine.connect() as conn:
-        plans = explain_what_runs(conn)
-        conn.commit()
-        jobs, _, _ = claim_fair(conn.execution_options(isolation_level="AUTOCOMMIT"))
-    (plan,) = [p for p in plans if "CTE walk" in p]
+    jobs, plan = big_tenant_claim(pg, "'B'", 1)
     extra = plan[plan.index("CTE extra"):plan.index("CTE due")]
     assert len(jobs) == 16 and extra.count("LockRows") == 2, plan
     assert all("never executed" in line for line in extra.splitlines() if "LockRows" in line), extra

@@ -59,52 +59,43 @@ def test_a_park_after_the_emit_is_due_at_once_and_records_no_wait(backend: Backe
     assert in_write(backend, lambda conn: backend.driver.waiting_for(conn, "early")) == []
 
 
-def test_an_emit_racing_a_park_in_flight_waits_for_it_and_wakes_it(backend: Backend) -> None:
-    """The park's transaction holds the key's rendezvous row: the emit waits, then sees the parked step."""
-    [job_id] = backend.insert(1, run_at=PAST)
-    [claimed] = backend.claim(1)
-    parked, woken = threading.Event(), []
-
-    def emitter() -> None:
-        parked.wait()
-        woken.append(_emit(backend, "race", "x"))
-
-    thread = threading.Thread(target=emitter)
-    thread.start()
-    with backend.write() as conn:
-        until = datetime.now(timezone.utc) + timedelta(hours=1)
-        assert backend.driver.park(conn, job_id, "wait", until, until, "race") is False
-        backend.driver.release(conn, claimed.fence, delay=3600, refund=True)
-        parked.set()
-        time.sleep(0.5)  # the emit is under way meanwhile, and must wait for this commit
-        assert woken == []
-    thread.join(30)
-    assert woken == [1] and _due(backend, job_id)
-
-
-def test_an_emit_of_many_racing_a_park_in_flight_waits_for_it_and_wakes_it(backend: Backend) -> None:
-    """The rendezvous holds for ``emit_many`` too: its keys' rows wait for the park's, then it sees the parked step."""
+def _emit_racing_a_park(backend: Backend, key: str, emit: Any) -> tuple[int, list[Any]]:
+    """A park of a wait for ``key`` in flight while ``emit(conn)`` runs in another thread: what the emit answered,
+    which must be nothing before the park commits (the park's transaction holds the key's rendezvous row)."""
     [job_id] = backend.insert(1, run_at=PAST)
     [claimed] = backend.claim(1)
     parked, answers = threading.Event(), []
 
     def emitter() -> None:
         parked.wait()
-        answers.append(in_write(backend, lambda conn: backend.driver.emit_many(conn, {"other": 1, "race3": 2})))
+        answers.append(in_write(backend, emit))
 
     thread = threading.Thread(target=emitter)
     thread.start()
     with backend.write() as conn:
         until = datetime.now(timezone.utc) + timedelta(hours=1)
-        assert backend.driver.park(conn, job_id, "wait", until, until, "race3") is False
+        assert backend.driver.park(conn, job_id, "wait", until, until, key) is False
         backend.driver.release(conn, claimed.fence, delay=3600, refund=True)
         parked.set()
-        time.sleep(0.5)
+        time.sleep(0.5)  # the emit is under way meanwhile, and must wait for this commit
         assert answers == []
     thread.join(30)
+    return job_id, answers
+
+
+def test_an_emit_racing_a_park_in_flight_waits_for_it_and_wakes_it(backend: Backend) -> None:
+    job_id, woken = _emit_racing_a_park(backend, "race", lambda conn: backend.driver.emit(conn, "race", "x"))
+    assert woken == [1] and _due(backend, job_id)
+
+
+def test_an_emit_of_many_racing_a_park_in_flight_waits_for_it_and_wakes_it(backend: Backend) -> None:
+    """The rendezvous holds for ``emit_many`` too: its keys' rows wait for the park's, then it sees the parked step."""
+    job_id, answers = _emit_racing_a_park(backend, "race3",
+                                          lambda conn: backend.driver.emit_many(conn, {"other": 1, "race3": 2}))
     assert answers == [({"other", "race3"}, 1)] and _due(backend, job_id)
     steps = {r.name: r for r in in_write(backend, lambda conn: backend.driver.job_steps(conn, job_id))}
     assert steps["wait"].value == 2 and steps["wait"].finished_at is not None
+
 
 def test_a_park_racing_an_emit_in_flight_waits_for_it_and_reads_it(backend: Backend) -> None:
     [job_id] = backend.insert(1, run_at=PAST)
