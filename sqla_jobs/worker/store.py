@@ -47,6 +47,11 @@ _DETAIL = {
 _EVENT = {**{name: name for name in _DETAIL}, "outage": "failed"}
 
 
+def _level(name: str) -> int:
+    """The level an outcome is logged at: a run lost or dead-lettered is a warning."""
+    return logging.WARNING if name in ("dead_letter", "lost") else logging.INFO
+
+
 class Store:
     def __init__(self, engine: Engine, queue: JobQueue[Any, Any], driver: Driver, worker_name: str,
                  lease: float, queues: Sequence[str] | None) -> None:
@@ -341,8 +346,7 @@ class Store:
         """``report`` of each of ``outcomes`` under one ``name`` (a batch's successes). When a report would
         neither log nor call a hook, only the count moves: checked once for the batch, not once per job.
         A store whose ``report`` does more (the relay's) overrides this too."""
-        level = logging.WARNING if name in ("dead_letter", "lost") else logging.INFO
-        if log.isEnabledFor(level) or self.queue.listens(_EVENT[name]):
+        if log.isEnabledFor(_level(name)) or self.queue.listens(_EVENT[name]):
             for o in outcomes:
                 self.report(o, name)
         else:
@@ -351,7 +355,7 @@ class Store:
     def report(self, o: Outcome, name: str) -> None:
         job = o.job
         self.processed += 1
-        level = logging.WARNING if name in ("dead_letter", "lost") else logging.INFO
+        level = _level(name)
         if log.isEnabledFor(level):  # this runs per job: format only what is printed
             log.log(level, "job %d %s attempt %d/%d (%.1f ms): %s", job.id, job.kind, job.attempt,
                     job.max_attempts, o.duration * 1000, _DETAIL[name].format(o=o))
