@@ -23,7 +23,7 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, Connection, Index, MetaData, String, Table, case, delete, exists, select, update
+from sqlalchemy import Column, Connection, Index, MetaData, String, Table, and_, case, delete, exists, select, update
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import Fence
@@ -273,11 +273,21 @@ class Durable:
         """The jobs parked waiting for any of ``keys`` become due now; how many. One statement: its subquery reads
         the parked steps committed before it started, which includes any park this emit's row locks waited for
         (MariaDB/MySQL, whose REPEATABLE READ would read its snapshot, override it with a locking read)."""
-        s, t = self.steps, self.jobs
+        t = self.jobs
         now = self.now()
-        waiting = select(s.c.job_id).where(self.among(s.c.awaiting, keys), s.c.finished_at.is_(None))
-        return conn.execute(update(t).where(t.c.id.in_(waiting), t.c.state == "pending")
+        return conn.execute(update(t).where(self.waiting_jobs(keys), t.c.state == "pending")
                             .values(run_at=case((t.c.run_at > now, now), else_=t.c.run_at))).rowcount
+
+    def waiting_jobs(self, keys: Collection[str]) -> ColumnElement[bool]:
+        """A job of the jobs table has an open wait for one of ``keys`` (a subquery of the steps)."""
+        s = self.steps
+        return self.jobs.c.id.in_(select(s.c.job_id).where(self.among(s.c.awaiting, keys), s.c.finished_at.is_(None)))
+
+    def parked_waits(self, keys: Collection[str]) -> ColumnElement[bool]:
+        """A step is an open wait for one of ``keys`` of a job still parked (pending)."""
+        s, t = self.steps, self.jobs
+        return and_(self.among(s.c.awaiting, keys), s.c.finished_at.is_(None),
+                    exists().where(t.c.id == s.c.job_id, t.c.state == "pending"))
 
     def answer_waiting(self, conn: Connection, keys: Collection[str]) -> None:
         """The parked waits for ``keys`` end with their events' data (just written, read back in the same statement),
@@ -285,11 +295,9 @@ class Durable:
         of reading the event and storing the step itself (two round trips a job: most of the cost of resuming 10,000
         waiters). Only the waits of jobs still parked (pending): a job already running again (its timeout came)
         decides its wait itself."""
-        s, t, e = self.steps, self.jobs, self.events
-        parked = exists().where(t.c.id == s.c.job_id, t.c.state == "pending")
+        s, e = self.steps, self.events
         data = select(e.c.data).where(e.c.key == s.c.awaiting).scalar_subquery()
-        conn.execute(update(s).where(self.among(s.c.awaiting, keys), s.c.finished_at.is_(None), parked)
-                     .values(value=data, finished_at=self.now()))
+        conn.execute(update(s).where(self.parked_waits(keys)).values(value=data, finished_at=self.now()))
 
     def waiting_for(self, conn: Connection, key: str) -> list[int]:
         """The jobs parked waiting for ``key``, by id."""

@@ -93,8 +93,7 @@ def in_transaction(raw: Any) -> bool:
 
 
 def _statement(sql: str | Positional, params: dict[str, Any], asynchronous: bool) -> tuple[str, Any, Any]:
-    """The text, the parameters and the cursor class that sends them: the raw cursor for a ``Positional``.
-    The claim's cursor reads the claimed payloads through ``faster_payloads`` (payloads.py)."""
+    """The text, the parameters and the cursor class that sends them: the raw cursor for a ``Positional``."""
     import psycopg
 
     if isinstance(sql, Positional):

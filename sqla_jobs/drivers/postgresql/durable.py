@@ -16,7 +16,7 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ARRAY, Connection, String, Table, Text, any_, case, cast, func, literal, select, update
+from sqlalchemy import ARRAY, Connection, String, Table, Text, and_, any_, cast, func, literal, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql.elements import ColumnElement
@@ -31,7 +31,7 @@ def _strings(values: Collection[str]) -> ColumnElement[Any]:
 
 
 class PgDurable:
-    """``emit_rows`` and ``among`` on arrays (see the module docstring)."""
+    """``emit_rows``, ``among``, ``waiting_jobs`` and ``parked_waits`` on arrays (see the module docstring)."""
 
     emit_chunk: int | None = None  # no bound parameter per event: one round for all
 
@@ -65,23 +65,13 @@ class PgDurable:
         stmt = postgresql.insert(self.events).from_select(["key", "data", "emitted_at", "created_at"], rows)
         return set(conn.scalars(emit_statement(stmt, self.events)))
 
-    def _waiting(self, keys: Collection[str]) -> ColumnElement[Any]:
-        """``ARRAY(...)`` of the jobs with an open wait for one of ``keys``."""
+    def waiting_jobs(self, keys: Collection[str]) -> ColumnElement[bool]:
         s = self.steps
-        return func.array(select(s.c.job_id).where(self.among(s.c.awaiting, keys), s.c.finished_at.is_(None))
-                          .scalar_subquery())
+        waits = select(s.c.job_id).where(self.among(s.c.awaiting, keys), s.c.finished_at.is_(None))
+        return self.jobs.c.id == any_(func.array(waits.scalar_subquery()))
 
-    def wake_waiting(self, conn: Connection, keys: Collection[str]) -> int:
-        t = self.jobs
-        now = self.now()
-        return conn.execute(update(t).where(t.c.id == any_(self._waiting(keys)), t.c.state == "pending")
-                            .values(run_at=case((t.c.run_at > now, now), else_=t.c.run_at))).rowcount
-
-    def answer_waiting(self, conn: Connection, keys: Collection[str]) -> None:
-        s, t, e = self.steps, self.jobs, self.events
-        parked = func.array(select(t.c.id).where(t.c.id == any_(self._waiting(keys)), t.c.state == "pending")
-                            .scalar_subquery())
-        data = select(e.c.data).where(e.c.key == s.c.awaiting).scalar_subquery()
-        conn.execute(update(s).where(s.c.job_id == any_(parked), self.among(s.c.awaiting, keys),
-                                     s.c.finished_at.is_(None))
-                     .values(value=data, finished_at=self.now()))
+    def parked_waits(self, keys: Collection[str]) -> ColumnElement[bool]:
+        s, t = self.steps, self.jobs
+        parked = select(t.c.id).where(self.waiting_jobs(keys), t.c.state == "pending")
+        return and_(s.c.job_id == any_(func.array(parked.scalar_subquery())), self.among(s.c.awaiting, keys),
+                    s.c.finished_at.is_(None))
