@@ -67,6 +67,7 @@ from .drivers import (
     side_tables,
     table_options,
 )
+from .drivers._dashboard import list_indexes
 from .errors import InvalidJob
 
 __all__ = ["MAX_PAYLOAD_BYTES", "MAX_PAYLOAD_DEPTH", "STATES", "DeadJobMixin", "JobMixin"]
@@ -90,9 +91,8 @@ _NO_PARTIAL = index_dialects_for(partial=False)
 #: Table options, every backend's (Driver.table_options: SQLite's AUTOINCREMENT, MariaDB/MySQL's collation).
 _JOB_OPTIONS = table_options("jobs")
 _DEAD_OPTIONS = table_options("dead")
-# Defaults live in the database only. A column with no default at all would
-# be sent as an explicit NULL in every ORM INSERT (SQLAlchemy keeps batches
-# uniform that way): 14 parameters a row instead of 2 made `add_all` 2.5x slower.
+# Defaults live in the database only. A column with no default at all would be sent as an explicit NULL in
+# every ORM INSERT (SQLAlchemy keeps batches uniform that way): 14 parameters a row, not 2: `add_all` 2.5x slower.
 _NULL = text("NULL")
 
 
@@ -308,9 +308,10 @@ class JobMixin(_Common):
             Index(f"ix_{name}_unique_key", "unique_key",
                   **partial_where("unique_key IS NOT NULL")).ddl_if(dialect=_PARTIAL),
             Index(f"ix_{name}_unique_key", "unique_key").ddl_if(dialect=_NO_PARTIAL),
-            # The dashboard's `state=cancelled` list by the page (rare rows: the primary key walked every finished
-            # one). Partial: enqueue, claim and finish only test the WHERE. MariaDB's `state`-led indexes suffice.
+            # The dashboard's lists by the page: `state=cancelled` (rare rows: the primary key walked every finished
+            # one; MariaDB's `state`-led indexes find them), and the ended jobs by queue and by kind (list_indexes).
             Index(f"ix_{name}_cancelled", "id", **partial_where("state = 'cancelled'")).ddl_if(dialect=_PARTIAL),
+            *list_indexes(name),
             # Jobs waiting for their upstreams (sqla_jobs._graph): counted by `stats`, listed by `state=blocked`.
             Index(f"ix_{name}_blocked", "id", **partial_where("state = 'blocked'")).ddl_if(dialect=_PARTIAL),
             # A sequence's jobs in order (`jobs list --sequence-key`); only the rows that have a key.

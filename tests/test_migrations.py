@@ -382,13 +382,14 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     source = revision.read_text()
     # Exactly the difference: nineteen columns (sequence_key and fair_key on both tables: sqla_jobs._sequence,
     # sqla_jobs._fair), the dependencies' table and its index, the batches' table and its three indexes, the durable
-    # jobs' steps table with its index and events table (sqla_jobs._durable), the sequences' table, seven new
-    # indexes (ix_app_tasks_sequence, ix_app_tasks_fair: the fair claim's), the claim index rebuilt in its new
+    # jobs' steps table with its index and events table (sqla_jobs._durable), the sequences' table, nine new
+    # indexes (ix_app_tasks_sequence, ix_app_tasks_fair: the fair claim's, ix_app_tasks_by_queue and _by_kind: the
+    # dashboard's lists), the claim index rebuilt in its new
     # column order, and on PostgreSQL the NOTIFY trigger; nothing else.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
     # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
-    expected = sorted(["add_column"] * 19 + ["create_table"] * 5 + ["create_index"] * 13 + ["drop_index"] + ["get_bind"]
+    expected = sorted(["add_column"] * 19 + ["create_table"] * 5 + ["create_index"] * 15 + ["drop_index"] + ["get_bind"]
                       + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
@@ -413,6 +414,8 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     assert "op.create_index('ix_app_tasks_cancelled'" in upgrade  # the dashboard's cancelled list (issue 31)
     assert "op.create_index('ix_app_tasks_blocked'" in upgrade  # stats' and the lists' blocked jobs (issue 33)
     assert "op.create_index('ix_app_tasks_fair'" in upgrade  # fair queues' claim (issue 35)
+    assert "op.create_index('ix_app_tasks_by_queue'" in upgrade  # the dashboard's lists by queue (issue 31)
+    assert "op.create_index('ix_app_tasks_by_kind'" in upgrade
     assert "add column app_tasks.errors" in out
 
     project.alembic("upgrade", "head")

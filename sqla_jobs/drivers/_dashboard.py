@@ -1,19 +1,22 @@
-"""The dashboard's statements (``sqla_jobs.web``): a keyset page of jobs, dead-job deletion by id, samples.
+"""The dashboard's statements (``sqla_jobs.web``): a keyset page of jobs, dead-job deletion by id, samples;
+and the two indexes its lists by queue and by kind need (``list_indexes``).
 
 Portable Core over a driver's tables and clock, so every backend runs the same
-statements; nothing here branches on the database. Every value a visitor types
+statements; nothing here branches on the database, only on whether it has partial indexes (the lists by queue
+and by kind: ``by_column``). Every value a visitor types
 (state, kind, queue, a cursor) reaches the database as a bound parameter.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
 from sqlalchemy import (
     ColumnElement,
     Connection,
+    Index,
     Integer,
     Select,
     Table,
@@ -23,9 +26,11 @@ from sqlalchemy import (
     insert,
     or_,
     select,
+    text,
     union_all,
 )
 
+from . import index_dialects_for, partial_where
 from .base import Driver
 
 #: Characters of ``last_error`` a job list shows; the job page shows all of it.
@@ -34,6 +39,36 @@ ERROR_PREVIEW = 200
 
 #: The states of a job that has ended: its ``finished_at`` is set (by the database clock, after it was created).
 ENDED = ("finished", "cancelled")
+#: The rows of ``list_indexes``, as SQL written out: a query repeats it, since SQLite uses a partial index only for a
+#: query that repeats its WHERE word for word (a bound parameter would not match). PostgreSQL proves it from any
+#: other state's ``state = :state`` too.
+NOT_RUNNING = "state <> 'running'"
+
+
+def list_indexes(name: str) -> list[Index]:
+    """``ix_<jobs>_by_queue`` and ``ix_<jobs>_by_kind``: a queue's, or a kind's, jobs newest first.
+
+    A list of a queue or a kind that is rare among a million ended jobs walked the primary key to find a page.
+    Partial where it can be (PostgreSQL, SQLite): the running jobs are left out, so a claim (its new row version
+    running) adds no entry; an enqueue adds one to each, and so does a finish. The few running jobs are read
+    through their own index. MariaDB/MySQL's lead with ``state``, as its other indexes do: each state's newest
+    page is then one range (``by_column``); a range of them all would be sorted whole.
+    """
+    return [index for column in ("queue", "kind") for index in (
+        Index(f"ix_{name}_by_{column}", column, "id", **partial_where(NOT_RUNNING)).ddl_if(
+            dialect=index_dialects_for(partial=True)),
+        Index(f"ix_{name}_by_{column}", "state", column, "id").ddl_if(dialect=index_dialects_for(partial=False)),
+    )]
+
+
+def by_column(driver: Driver, newest: Callable[..., Select[Any]]) -> list[Select[Any]]:
+    """The newest pages that make a list of a queue's or a kind's jobs in any state, merged by the caller: along
+    ``list_indexes``, those but the running ones in one range where it is partial, and the running ones through
+    their own index; each state its own range where it leads with ``state`` (MariaDB/MySQL)."""
+    state = driver.jobs.c.state
+    if driver.partial_indexes:
+        return [newest(text(NOT_RUNNING)), driver.by_state(newest(state == "running"))]
+    return [driver.by_state(newest(state == name)) for name in ("pending", "running", "blocked", *ENDED)]
 
 
 def job_page(
@@ -71,10 +106,10 @@ def job_page(
       and blocked ones come beside them, each state's newest page by the path its statistics
       favour (no index has their creation time: one would cost every enqueue).
       Before, a window with few jobs (an idle queue) walked the whole table.
-
-    Not bounded by a page: a kind or queue (without ``state``) that is rare among a
-    million ended jobs walks the primary key until a page is found (docs/howto/dashboard.md
-    says which index of your own makes that cheap).
+    * ``kind`` or ``queue`` (without ``since``): newest first along ``ix_<jobs>_by_kind``
+      / ``_by_queue`` (``list_indexes``), which hold every job but the running ones,
+      beside the running ones through their own index. Before, a kind or queue rare among
+      a million ended jobs walked the primary key until a page was found.
 
     ``unique_key`` matches the key and its periods (``key@<period start>``), as ``jobs list`` does.
     """
@@ -118,8 +153,14 @@ def job_page(
         both = union_all(select(same), select(lower)).subquery()
         return list(conn.execute(select(both).order_by(both.c.priority.desc(), both.c.run_at, both.c.id)
                                  .limit(limit)))
+    # A queue's or a kind's jobs, but the running ones, along ix_<jobs>_by_queue / _by_kind (list_indexes).
+    of_column = [text(NOT_RUNNING)] if kind is not None or queue is not None else []
+    if state is None and since is None and of_column:
+        return _merged(conn, by_column(driver, newest), limit)
     if since is None or state not in (None, *ENDED):
-        return list(conn.execute(newest() if state is None else newest(t.c.state == state)))
+        if state is None:
+            return list(conn.execute(newest()))
+        return list(conn.execute(newest(t.c.state == state, *(of_column if state != "running" else []))))
     ended = newest(t.c.state.in_(ENDED) if state is None else t.c.state == state,
                    t.c.finished_at >= driver.ago(since))
     if state is not None:
@@ -128,8 +169,13 @@ def job_page(
     # pending jobs through their partial index, a large fresh backlog by the primary key. (Without the
     # LIMIT, a fresh backlog was read whole: 58 ms for 300,000 against 9 ms. MariaDB, told to, reads each
     # state's index: by itself it walked the primary key past every finished row to a few old pending jobs.)
-    branches = [*(driver.by_state(newest(t.c.state == state)) for state in ("pending", "running", "blocked")), ended]
-    merged = union_all(*(select(b.subquery()) for b in branches)).subquery()
+    live = [driver.by_state(newest(t.c.state == state)) for state in ("pending", "running", "blocked")]
+    return _merged(conn, [*live, ended], limit)
+
+
+def _merged(conn: Connection, pages: list[Select[Any]], limit: int) -> list[Any]:
+    """The newest ``limit`` rows of ``pages``, each already the newest of its own part."""
+    merged = union_all(*(select(page.subquery()) for page in pages)).subquery()
     return list(conn.execute(select(merged).order_by(merged.c.id.desc()).limit(limit)))
 
 
