@@ -24,6 +24,8 @@ FIGURES = [
     "B..K pickup p99, idle queue (ms)", "A drain, fair (jobs/s)", "B..K pickup p99, fair, A's backlog (ms)",
     "A drain, unfair (jobs/s)", "B..K picked up within the window, unfair (%)",
     "claim of 4, fair, 10,000 keys (ms)", "claim of 4, plain (ms)", "B..K p99: fair with backlog / idle",
+    "B..K pickup p99 from the commit, idle queue (ms)", "B..K pickup p99 from the commit, fair, A's backlog (ms)",
+    "B..K p99 from the commit: fair with backlog / idle",
 ]
 
 
