@@ -45,19 +45,23 @@ def explain_what_runs(conn: Connection) -> list[str]:
     return plans
 
 
-def claim(conn: Connection, limit: int) -> Any:
+def claim(conn: Connection, limit: int, queues: list[str] | None = None) -> Any:
     driver = app.queue.driver(conn)
-    jobs, _ = driver.claim_batch(conn, limit, "plan-test", uuid.uuid4().hex, 60.0, None, False)
+    jobs, _ = driver.claim_batch(conn, limit, "plan-test", uuid.uuid4().hex, 60.0, queues, False)
     conn.commit()
     return jobs
 
 
 @pytest.mark.parametrize("autocommit", [True, False], ids=["the worker's autocommit connection", "a transaction"])
+@pytest.mark.parametrize(("queues", "limit"), [(None, 64), (None, 1000), (["default"], 1000)],
+                         ids=["every queue", "every queue, a large batch", "named queues, a large batch"])
 def test_the_claim_walks_the_pending_index_with_a_backlog_the_statistics_do_not_know(
-    pg: Database, autocommit: bool
+    pg: Database, autocommit: bool, queues: list[str] | None, limit: int
 ) -> None:
     """A young table, never analyzed, then a backlog: by default PostgreSQL expects a few pending rows,
-    reads all 30,000 through a bitmap scan and sorts them, to lock 64 (the drain's first claims)."""
+    reads all 30,000 through a bitmap scan and sorts them, to lock 64 (the drain's first claims). A worker of
+    named queues (``--queue``, the relay) was read all its queue's jobs along ``ix_jobs_fair``, led by the queue,
+    and sorted them: 23 ms a claim of 1,000 at 40,000 pending jobs, the relay to NATS a third slower."""
     app.queue.create_tables(pg.engine)
     enqueue_backlog(pg)
     with pg.engine.connect() as conn:
@@ -65,13 +69,14 @@ def test_the_claim_walks_the_pending_index_with_a_backlog_the_statistics_do_not_
         conn.commit()
         if autocommit:
             conn = conn.execution_options(isolation_level="AUTOCOMMIT")
-        jobs = claim(conn, 64)
-    assert len(jobs) == 64
-    (plan,) = [p for p in plans if "CTE due" in p]
+        for _ in range(7):  # past psycopg's 5th run, which prepares the statement: then its generic plan may run
+            jobs = claim(conn, limit, queues)
+    assert len(jobs) == limit
+    plan = [p for p in plans if "CTE due" in p][-1]
     due = plan[plan.index("CTE due"):plan.index("CTE alone")]
     assert "Index Scan using ix_jobs_pending" in due, due
     assert "Bitmap" not in due and "Sort" not in due, due  # not every pending row, read and sorted
-    assert "rows=64 loops=1" in due.split("LockRows")[1].splitlines()[0]  # it stopped at the limit
+    assert f"rows={limit} loops=1" in due.split("LockRows")[1].splitlines()[0]  # it stopped at the limit
 
 
 def test_the_planner_settings_end_with_the_claim(pg: Database) -> None:
@@ -80,22 +85,22 @@ def test_the_planner_settings_end_with_the_claim(pg: Database) -> None:
     app.queue.create_tables(pg.engine)
     enqueue_backlog(pg)
 
-    def settings(conn: Connection) -> tuple[str, str, str]:
-        return (conn.exec_driver_sql("SHOW enable_bitmapscan").scalar(),
-                conn.exec_driver_sql("SHOW enable_seqscan").scalar(), conn.exec_driver_sql("SHOW jit").scalar())
+    def settings(conn: Connection) -> tuple[str, ...]:
+        return tuple(conn.exec_driver_sql(f"SHOW {name}").scalar()
+                     for name in ("enable_bitmapscan", "enable_seqscan", "jit", "enable_sort"))
 
     with pg.engine.connect() as conn:
         hot = conn.execution_options(isolation_level="AUTOCOMMIT")
         assert len(claim(hot, 5)) == 5
-        assert settings(hot) == ("on", "on", "on")
+        assert settings(hot) == ("on", "on", "on", "on")
     with pg.engine.connect() as conn:
         conn.exec_driver_sql("SET enable_seqscan = off")  # the user's, for the session
         driver = app.queue.driver(conn)
         jobs, _ = driver.claim_batch(conn, 5, "plan-test", uuid.uuid4().hex, 60.0, None, False)
         assert len(jobs) == 5
-        assert settings(conn) == ("on", "off", "on")  # inside the same transaction: as before the claim
+        assert settings(conn) == ("on", "off", "on", "on")  # inside the same transaction: as before the claim
         conn.commit()
-        assert settings(conn) == ("on", "off", "on")
+        assert settings(conn) == ("on", "off", "on", "on")
         conn.exec_driver_sql("RESET enable_seqscan")
         conn.commit()
 
