@@ -309,7 +309,7 @@ class JobMixin(_Common):
                   **partial_where("unique_key IS NOT NULL")).ddl_if(dialect=_PARTIAL),
             Index(f"ix_{name}_unique_key", "unique_key").ddl_if(dialect=_NO_PARTIAL),
             # The dashboard's lists by the page: `state=cancelled` (rare rows: the primary key walked every finished
-            # one; MariaDB's `state`-led indexes find them), and the ended jobs by queue and by kind (list_indexes).
+            # one; MariaDB's `state`-led indexes find them), and a queue's or a kind's jobs (list_indexes).
             Index(f"ix_{name}_cancelled", "id", **partial_where("state = 'cancelled'")).ddl_if(dialect=_PARTIAL),
             *list_indexes(name),
             # Jobs waiting for their upstreams (sqla_jobs._graph): counted by `stats`, listed by `state=blocked`.

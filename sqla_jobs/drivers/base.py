@@ -321,8 +321,9 @@ class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Bat
         return stmt
 
     def by_state(self, stmt: Select[Any]) -> Select[Any]:
-        """``stmt``, the newest jobs of one live state (the dashboard's ``since`` list), read through that state's
-        index rather than backwards along the primary key, where the planner would not choose so itself."""
+        """``stmt``, the newest jobs of one state (a branch of the dashboard's lists: drivers/_dashboard.py), read
+        through an index of that state rather than backwards along the primary key, where the planner would not
+        choose so itself."""
         return stmt
 
     def claim_capped(self, conn: Connection, limits: Table, row: str, kind: str, running: int, budget: int,
