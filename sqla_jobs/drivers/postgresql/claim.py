@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 # psycopg is imported where it is used, not at the top: SQLite and MariaDB processes never load it (0.05 s a start).
 
-__all__ = ["CLAIMED", "Positional", "in_transaction", "is_async", "run_claim"]
+__all__ = ["CLAIMED", "Positional", "in_transaction", "is_async", "restoring", "run_claim"]
 
 # The claim must walk ix_<table>_pending in claim order and stop after `limit` rows. The planner
 # takes that plan only when its statistics say the backlog is large, and a queue table's often do
@@ -39,6 +39,12 @@ _CLAIM_PLANNER = ("SELECT " + ", ".join(f"current_setting('{name}')" for name in
 # it: its generic plan's estimates, sized by LIMITs it cannot read, look dearer than they are.
 _GENERIC_PLANNER = _CLAIM_PLANNER + ", set_config('plan_cache_mode', 'force_generic_plan', true)"
 _CLAIM_PLANNER_RESTORE = "SELECT " + ", ".join(f"set_config('{name}', %s, true)" for name in _SETTINGS)
+
+
+def restoring(before: Any) -> tuple[str, Any]:
+    """The statement that puts back the settings ``_CLAIM_PLANNER`` read (its row, ``before``): for a claim run in
+    the caller's transaction, which goes on after it."""
+    return _CLAIM_PLANNER_RESTORE, tuple(before[:len(_SETTINGS)])
 
 # The claim's last step, shared by the ordinary claim (postgresql.py) and a limited kind's (pg_limits.py): the
 # rows the statement chose in its `due` CTE (its `alone` CTE: an isolated job to run alone) become running
@@ -138,7 +144,7 @@ def run_claim(raw: Any, sql: str | Positional, params: dict[str, Any],
         rows = claim.fetchall()
         if after is not None:
             cursor.execute(*after)
-        cursor.execute(_CLAIM_PLANNER_RESTORE, before[:len(_SETTINGS)])
+        cursor.execute(*restoring(before))
         return rows
 
 
@@ -171,5 +177,5 @@ async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str | Positio
         rows = await claim.fetchall()
         if after is not None:
             await cursor.execute(*after)
-        await cursor.execute(_CLAIM_PLANNER_RESTORE, before[:len(_SETTINGS)])
+        await cursor.execute(*restoring(before))
         return rows
