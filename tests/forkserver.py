@@ -101,7 +101,12 @@ def _serve(path: str) -> dict[str, Any] | None:
             return dict(request)
         for fd in fds:
             os.close(fd)
-        conn.sendall(f"pid {pid}\n".encode())
+        # With the pid goes a pidfd, opened while the child cannot have been reaped yet (only this loop reaps
+        # it): the client signals through it, so a signal sent after the child's exit fails instead of
+        # reaching whatever process the kernel gave the pid to next (pids wrap within minutes in this suite).
+        pidfd = os.pidfd_open(pid)
+        socket.send_fds(conn, [f"pid {pid}\n".encode()], [pidfd])
+        os.close(pidfd)
         children[pid] = conn
     return None
 
@@ -203,6 +208,7 @@ class Popen:
         self.stdout: IO[Any] | None = None
         self.stderr: IO[Any] | None = None
         self._cold: subprocess.Popen[Any] | None = None
+        self._pidfd: int | None = None  # the warm child's, from the server (send_signal)
         parsed = _parse(self.args)
         if _COLD or parsed is None or cold:
             given = {"text": text, "universal_newlines": universal_newlines, "encoding": encoding, "errors": errors}
@@ -245,11 +251,18 @@ class Popen:
         socket.send_fds(self._conn, [json.dumps(request).encode() + b"\n"], child_fds)
         for fd in ours:
             os.close(fd)
-        self._reader = self._conn.makefile("rb")
-        line = self._reader.readline().split()
-        if not line or line[0] != b"pid":
+        first, fds, _, _ = socket.recv_fds(self._conn, 1, 1)  # the pidfd comes with the line's first byte
+        while first and not first.endswith(b"\n"):  # byte by byte: the exit line may follow in the same read
+            more = self._conn.recv(1)
+            first += more
+            if not more:
+                break
+        line = first.split()
+        if not line or line[0] != b"pid" or not fds:
             raise RuntimeError(f"the test fork server did not start {self.args}: {line!r}")
         self.pid = int(line[1])
+        self._pidfd = fds[0]
+        self._reader = self._conn.makefile("rb")
 
     def poll(self) -> int | None:
         if self._cold is not None:
@@ -280,10 +293,25 @@ class Popen:
         self.returncode = int(line[1])
         self._reader.close()
         self._conn.close()
+        self._close_pidfd()
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def __del__(self) -> None:
+        if getattr(self, "_pidfd", None) is not None:
+            self._close_pidfd()
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
+        """As :class:`subprocess.Popen`'s: nothing once the child has exited. Never ``os.kill(pid)``: the
+        server reaps the child, after which its pid may already be another process's (a database's)."""
+        if self._cold is not None:
+            self._cold.send_signal(sig)
+        elif self.poll() is None and self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):  # exited and reaped meanwhile
+                signal.pidfd_send_signal(self._pidfd, sig)
 
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)

@@ -18,6 +18,7 @@ import pytest
 
 from tests import forkserver
 from tests.conftest import ROOT
+from tests.reliability.harness import WorkerProc
 
 PROBE = """
 import json, os, sys
@@ -86,3 +87,41 @@ def test_a_timeout_kills_the_child(tmp_path: Path) -> None:
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # killed, and reaped by the server before run() returned
         os.kill(pid, 0)
+
+
+def _take_pid(pid: int) -> subprocess.Popen[bytes] | None:
+    """A sleeping process given ``pid`` (free again), through ``ns_last_pid`` (root only); None if the test
+    processes running beside this one keep taking it first."""
+    for _ in range(50):
+        Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+        sleeper = subprocess.Popen(["sleep", "60"])
+        if sleeper.pid == pid:
+            return sleeper
+        sleeper.kill()
+        sleeper.wait()
+    return None
+
+
+def test_a_signal_after_the_child_exited_never_reaches_the_process_that_got_its_pid() -> None:
+    """The server reaps its children, so a child's pid is free the moment it exits, and this suite goes
+    round the whole pid space within minutes: a kill by pid sent later can land on any process, a database
+    server's thread among them (a SIGKILL that took MariaDB down mid-run). Signals go through a pidfd."""
+    if os.geteuid() != 0:
+        pytest.skip("ns_last_pid is writable by root only")  # CI runs as root: there it always runs
+    proc = forkserver.Popen([sys.executable, "-c", "pass"])
+    pid = proc.pid
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:  # exited and reaped by the server
+        time.sleep(0.01)
+    sleeper = _take_pid(pid)
+    assert sleeper is not None, f"no process could be given pid {pid} again"
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.kill()
+        WorkerProc("sqlite://", Path(os.devnull), proc=proc).signal(signal.SIGKILL)  # the reliability suite's
+        assert proc.wait(10) == 0
+        time.sleep(0.1)
+        assert sleeper.poll() is None, "the signal meant for the exited child killed the pid's new owner"
+    finally:
+        sleeper.kill()
+        sleeper.wait()

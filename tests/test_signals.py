@@ -270,13 +270,18 @@ def test_a_process_forked_after_the_handlers_were_installed_still_stops_on_a_sig
     assert proc.stdout is not None
     line = proc.stdout.readline().split()
     assert line[1:] == ["ready"], line
-    child = int(line[0])
-    time.sleep(0.05)
-    os.kill(child, signal.SIGTERM)
+    # A pidfd while the child is surely alive (it waits for the signal): it is not ours to reap, and a kill
+    # by pid after its exit could reach whatever process the kernel gave the pid to next.
+    child = os.pidfd_open(int(line[0]))
     try:
-        out, _ = proc.communicate(timeout=10)  # the pipe closes when the child exits
-    except subprocess.TimeoutExpired:
-        os.kill(child, signal.SIGKILL)
-        out = proc.communicate()[0]
-        pytest.fail(f"the forked child did not stop on SIGTERM: {out}")
+        time.sleep(0.05)
+        signal.pidfd_send_signal(child, signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=10)  # the pipe closes when the child exits
+        except subprocess.TimeoutExpired:
+            signal.pidfd_send_signal(child, signal.SIGKILL)
+            out = proc.communicate()[0]
+            pytest.fail(f"the forked child did not stop on SIGTERM: {out}")
+    finally:
+        os.close(child)
     assert "stopped" in out, out

@@ -103,22 +103,23 @@ class BrokerSpace:
     def delete(self) -> None:
         asyncio.run(_delete_rabbitmq(self) if self.broker == "rabbitmq" else _delete_nats(self))
 
-    def cut_connections(self, proxy: Any = None, pid: int | None = None) -> None:
+    def cut_connections(self, proxy: Any = None, relay: Any = None) -> None:
         """Cut the relay's broker connection: RabbitMQ closes it from the server side; NATS through ``proxy``.
 
-        RabbitMQ closes only the connections of process ``pid`` (found by their client ports), so
+        RabbitMQ closes only the connections of the ``relay`` process (found by their client ports), so
         relay tests running side by side (``pytest -n 4``) keep theirs. ``rabbitmqctl`` takes
         seconds to start, long enough for a fast relay to finish its work first; the relay is
         paused meanwhile (SIGSTOP/SIGCONT: a slow process, not a dead one), so the cut lands while
         it still has jobs to publish.
         """
         if self.broker == "rabbitmq":
-            assert pid is not None, "RabbitMQ cuts the connections of one relay process"
-            os.kill(pid, signal.SIGSTOP)
+            assert relay is not None, "RabbitMQ cuts the connections of one relay process"
+            # Through the handle, not os.kill(pid): a relay that already exited no longer owns its pid.
+            relay.send_signal(signal.SIGSTOP)
             try:
-                _close_rabbitmq_connections_of(pid)
+                _close_rabbitmq_connections_of(relay.pid)
             finally:
-                os.kill(pid, signal.SIGCONT)
+                relay.send_signal(signal.SIGCONT)
         else:
             assert proxy is not None, "NATS connections are cut through a TcpProxy"
             proxy.cut()

@@ -123,7 +123,7 @@ def test_every_job_arrives_through_kills_and_cuts(
         if strike == "cut":
             felt = relay.log().count("broker lost")
             assert relay.proc is not None
-            space.cut_connections(proxy, relay.proc.pid)
+            space.cut_connections(proxy, relay.proc)
             wait_for(lambda felt=felt, relay=relay: relay.log().count("broker lost") > felt or finished() >= JOBS,
                      30, "the relay to feel the cut", every=0.02)
             cuts += 1

@@ -71,8 +71,10 @@ class WorkerProc:
         return self.proc.pid
 
     def signal(self, sig: int) -> None:
+        """Through the process handle, never ``os.kill(pid)``: once the worker has exited its pid may be
+        another process's (the suite wraps the pid space within minutes), a database server's included."""
         assert self.proc is not None
-        os.kill(self.proc.pid, sig)
+        self.proc.send_signal(sig)
 
     def wait(self, timeout: float = 30) -> int:
         assert self.proc is not None
