@@ -219,5 +219,8 @@ class Fleet:
 
     def stop(self) -> None:
         for worker in self.live:
+            # A replacement started by the last fault may still be importing when the jobs run out: a SIGTERM
+            # then ends it by the default action (exit -15), as terminate() says; the stop is of a started worker.
+            wait_for(worker.started, 60, f"worker {worker.pid} to start before it is stopped")
             code = worker.stop(timeout=FAST["grace"] + 10)
             assert code == 0, f"worker {worker.pid} exited {code}: {worker.log()[-2000:]}"
