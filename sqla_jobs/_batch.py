@@ -269,8 +269,7 @@ def _link(conn: Connection, driver: Driver, batch: Batch | int, member_ids: Sequ
     ids = [c if isinstance(c, int) else c.id for c in callbacks]
     if isinstance(batch, Batch) and batch.id is not None and any(not isinstance(c, int) for c in callbacks):
         driver.set_callbacks(conn, batch.id, {name: job.id for name, job in batch.callbacks.items()})
-    driver.add_edges(conn, [{"downstream_id": callback, "position": first + i, "upstream_id": member}
-                            for callback in ids for i, member in enumerate(member_ids)])
+    driver.add_edges(conn, [(callback, first + i, member) for callback in ids for i, member in enumerate(member_ids)])
 
 
 def add_members(session: Session, driver: Driver, jobs: Table, batch: Batch | int,

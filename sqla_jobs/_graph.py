@@ -269,6 +269,15 @@ def _check_cycles(dependents: Sequence[Any]) -> None:
                 stack.append(iter(_new_upstreams(upstream)))
 
 
+def _flushed_id(job: Any) -> int:
+    """The id of a job (or an id) after the flush: from the object's dict, where the INSERT put it (the attribute
+    costs microseconds a read); through the attribute for a job flushed earlier and expired since."""
+    if isinstance(job, int):
+        return job
+    found = job.__dict__.get("id")
+    return found if found is not None else job.id  # type: ignore[no-any-return]
+
+
 def _new_upstreams(job: Any) -> list[Any]:
     return [u for u in job.depends_on if not isinstance(u, int) and instance_state(u).key is None]
 
@@ -280,10 +289,11 @@ def _after_flush(session: Session, flush_context: UOWTransaction) -> None:
     if not mine:
         return
     conn = session.connection()
-    by_table: dict[Table, list[dict[str, Any]]] = {}
+    by_table: dict[Table, list[tuple[int, int, int]]] = {}
     for job in mine:
         rows = by_table.setdefault(type(job).__table__, [])
-        rows.extend({"downstream_id": job.id, "position": position, "upstream_id": _id_of(upstream)}
+        downstream = _flushed_id(job)
+        rows.extend((downstream, position, _flushed_id(upstream))
                     for position, upstream in enumerate(job.__dict__.pop(_DISTINCT)))
     with _UNFLUSHED_LOCK:  # once, not once per job
         for job in mine:

@@ -150,10 +150,11 @@ class Graph:
             found.update(conn.scalars(select(d.c.id).where(d.c.id.in_(chunk))))
         return found
 
-    def add_edges(self, conn: Connection, rows: Sequence[dict[str, Any]]) -> None:
-        """Insert edges (``downstream_id``, ``position``, ``upstream_id``)."""
+    def add_edges(self, conn: Connection, rows: Sequence[tuple[int, int, int]]) -> None:
+        """Insert edges, each ``(downstream_id, position, upstream_id)``."""
         for chunk in _chunks(list(rows), _EDGE_BATCH):
-            conn.execute(insert(self.edges), chunk)
+            conn.execute(insert(self.edges),
+                         [{"downstream_id": d, "position": p, "upstream_id": u} for d, p, u in chunk])
 
     # -- an upstream ended -------------------------------------------------------------------
 
