@@ -234,10 +234,6 @@ def _distinct(upstreams: Iterable[Any]) -> list[Any]:
     return kept
 
 
-def _id_of(upstream: Any) -> Any:
-    return upstream if isinstance(upstream, int) else upstream.id
-
-
 def _check_cycles(dependents: Sequence[Any]) -> None:
     """A cycle can only run through new jobs (an existing job's upstreams are fixed): walk theirs, depth first
     without recursion (a chain of 10,000 new jobs is 10,000 deep). Not at all when every new job's upstreams
@@ -269,9 +265,9 @@ def _check_cycles(dependents: Sequence[Any]) -> None:
                 stack.append(iter(_new_upstreams(upstream)))
 
 
-def _flushed_id(job: Any) -> int:
-    """The id of a job (or an id) after the flush: from the object's dict, where the INSERT put it (the attribute
-    costs microseconds a read); through the attribute for a job flushed earlier and expired since."""
+def _id_of(job: Any) -> int:
+    """The id of a flushed job (or an id): from the object's dict, where the INSERT put it (the attribute costs
+    microseconds a read); through the attribute for a job flushed earlier and expired since."""
     if isinstance(job, int):
         return job
     found = job.__dict__.get("id")
@@ -292,8 +288,8 @@ def _after_flush(session: Session, flush_context: UOWTransaction) -> None:
     by_table: dict[Table, list[tuple[int, int, int]]] = {}
     for job in mine:
         rows = by_table.setdefault(type(job).__table__, [])
-        downstream = _flushed_id(job)
-        rows.extend((downstream, position, _flushed_id(upstream))
+        downstream = _id_of(job)
+        rows.extend((downstream, position, _id_of(upstream))
                     for position, upstream in enumerate(job.__dict__.pop(_DISTINCT)))
     with _UNFLUSHED_LOCK:  # once, not once per job
         for job in mine:

@@ -189,21 +189,18 @@ class Graph:
         self._release(conn, among)
         return counted
 
-    def _release(self, conn: Connection, among: Select[Any] | Sequence[int]) -> None:
-        """Blocked jobs ``among`` these (ids, or a query of them) at 0 become ``pending``; a batch's on_failure
-        callback none of whose upstreams failed is cancelled instead (``drivers/_batches.py``: it has no
-        dependents of its own)."""
+    def _release(self, conn: Connection, among: Select[Any]) -> None:
+        """Blocked jobs ``among`` the dependents this query of edges names, at 0, become ``pending``; a batch's
+        on_failure callback none of whose upstreams failed is cancelled instead (``drivers/_batches.py``: it has
+        no dependents of its own)."""
         t = self.jobs
         now, skip = self.now(), self.errback_skip(t)
-        if isinstance(among, Select):
-            # Joined, not `id IN (query)`: MariaDB 10 cannot semi-join in a single-table UPDATE, so it read every
-            # row of the jobs table and asked the query for each (34 ms a batch of finishes beside 20,000 jobs:
-            # a fan-in drained at half the plain rate). The join starts from the edges' few rows.
-            released = among.distinct().subquery("released")
-            chosen = t.c.id == released.c.downstream_id
-        else:
-            chosen = t.c.id.in_(among)
-        conn.execute(update(t).where(chosen, t.c.state == "blocked", t.c.waiting_for <= 0)
+        # Joined, not `id IN (query)`: MariaDB 10 cannot semi-join in a single-table UPDATE, so it read every row of
+        # the jobs table and asked the query for each (34 ms a batch of finishes beside 20,000 jobs: a fan-in
+        # drained at half the plain rate). The join starts from the edges' few rows.
+        released = among.distinct().subquery("released")
+        conn.execute(update(t).where(t.c.id == released.c.downstream_id, t.c.state == "blocked",
+                                     t.c.waiting_for <= 0)
                      .values(state=case((skip, "cancelled"), else_="pending"),
                              run_at=case((t.c.run_at < now, now), else_=t.c.run_at),
                              finished_at=case((skip, now), else_=t.c.finished_at),
@@ -250,7 +247,8 @@ class Graph:
             if marked:
                 conn.execute(update(t).where(t.c.id == downstream, t.c.state == "blocked")
                              .values(waiting_for=t.c.waiting_for - marked))
-                self._release(conn, [downstream])
+                self._release(conn, select(e.c.downstream_id).where(e.c.downstream_id == downstream,
+                                                                    e.c.upstream_id == upstream))
         self.notify(conn)
 
     def pass_on_failure(self, conn: Connection, upstreams: Sequence[int], ended: str) -> None:

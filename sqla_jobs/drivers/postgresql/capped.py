@@ -56,7 +56,7 @@ from sqlalchemy.util import await_only
 
 from ..base import Claimed
 from . import partitions
-from .claim import _CLAIM_PLANNER, CLAIMED, in_transaction, is_async, restoring
+from .claim import _CLAIM_PLANNER, _CLAIM_PLANNER_UNDO, CLAIMED, in_transaction, is_async
 from .notify import pg_name
 
 if TYPE_CHECKING:
@@ -160,9 +160,9 @@ def claim_capped(conn: Connection, stmts: Statements, row: str, kind: str, runni
               "lease": float(lease), "queues": list(queues or ()), "alone": alone}
     if not conn.in_transaction():
         conn.begin()  # SQLAlchemy does not see what the driver cursor runs: without this its commit is a no-op
-    results = _rows(conn, [(_CLAIM_PLANNER, {}), (stmts.lock, params), (stmts.take, params)], False)
-    before = results.pop(0)[0]  # the caller's transaction goes on: its planner settings are put back
-    _rows(conn, [restoring(before)], False)
+    # The caller's transaction goes on: its planner settings are put back, in the same round trip.
+    results = _rows(conn, [(_CLAIM_PLANNER, {}), (stmts.lock, params), (stmts.take, params),
+                           (_CLAIM_PLANNER_UNDO, {})], False)[1:3]
     if any(r[0] is None for r in results[0]):
         return None  # no row to lock: the portable path creates it
     return _claimed(results[1], token)

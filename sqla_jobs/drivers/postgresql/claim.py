@@ -12,7 +12,7 @@ if TYPE_CHECKING:
 
 # psycopg is imported where it is used, not at the top: SQLite and MariaDB processes never load it (0.05 s a start).
 
-__all__ = ["CLAIMED", "Positional", "in_transaction", "is_async", "restoring", "run_claim"]
+__all__ = ["CLAIMED", "Positional", "in_transaction", "is_async", "run_claim"]
 
 # The claim must walk ix_<table>_pending in claim order and stop after `limit` rows. The planner
 # takes that plan only when its statistics say the backlog is large, and a queue table's often do
@@ -32,27 +32,21 @@ __all__ = ["CLAIMED", "Positional", "in_transaction", "is_async", "restoring", "
 # them: 23 ms a claim of 1,000 at 40,000 jobs. Where a plan cannot do without a sort (the fair claim's ranks),
 # it keeps it.
 _SETTINGS = ("enable_bitmapscan", "enable_seqscan", "jit", "enable_sort", "plan_cache_mode")
-# Each setting's value is also kept in a placeholder setting of the transaction (sqla_jobs.<name>), so that a
-# statement after the claim in the same pipeline (the hand-off, handoff.py) is planned as before it: without
-# sorts, the root of a fan-out of 100,000 hashed its dependents' edges to disk and updated them in hash order,
-# 1.9 s against 1.2. A SELECT list is evaluated in order: the values are read before they are turned off.
-_CLAIM_PLANNER = ("SELECT " + ", ".join(f"current_setting('{name}')" for name in _SETTINGS) + ", "
-                  + ", ".join(f"set_config('sqla_jobs.{name}', current_setting('{name}'), true)" for name in _SETTINGS)
+# Each setting's value is first kept in a placeholder setting of the transaction (sqla_jobs.<name>), so that
+# whatever runs after the claim in the same transaction is planned as before it: the caller's own statements when
+# the claim runs in the caller's transaction, and the hand-off (handoff.py), which without sorts hashed a fan-out
+# root's 100,000 edges to disk and updated its dependents in hash order (1.9 s against 1.2). A SELECT list is
+# evaluated in order: each value is kept before it is turned off.
+_CLAIM_PLANNER = ("SELECT " + ", ".join(f"set_config('sqla_jobs.{name}', current_setting('{name}'), true)"
+                                        for name in _SETTINGS)
                   + ", " + ", ".join(f"set_config('{name}', 'off', true)" for name in _SETTINGS[:-1]))
-#: The settings as they were before ``_CLAIM_PLANNER``, for what runs after the claim in its transaction.
-_CLAIM_PLANNER_UNDO = "SELECT " + ", ".join(
-    f"set_config('{name}', current_setting('sqla_jobs.{name}'), true)" for name in _SETTINGS)
 # A statement whose custom plans cost more to make than to run (the fair claim: 2 ms of planning a claim, 1 ms
 # of running) takes its generic plan, made once per connection. PostgreSQL would keep making custom plans for
 # it: its generic plan's estimates, sized by LIMITs it cannot read, look dearer than they are.
 _GENERIC_PLANNER = _CLAIM_PLANNER + ", set_config('plan_cache_mode', 'force_generic_plan', true)"
-_CLAIM_PLANNER_RESTORE = "SELECT " + ", ".join(f"set_config('{name}', %s, true)" for name in _SETTINGS)
-
-
-def restoring(before: Any) -> tuple[str, Any]:
-    """The statement that puts back the settings ``_CLAIM_PLANNER`` read (its row, ``before``): for a claim run in
-    the caller's transaction, which goes on after it."""
-    return _CLAIM_PLANNER_RESTORE, tuple(before[:len(_SETTINGS)])
+#: The settings as they were before ``_CLAIM_PLANNER``, for what runs after the claim in its transaction.
+_CLAIM_PLANNER_UNDO = "SELECT " + ", ".join(
+    f"set_config('{name}', current_setting('sqla_jobs.{name}'), true)" for name in _SETTINGS)
 
 # The claim's last step, shared by the ordinary claim (postgresql.py) and a limited kind's (pg_limits.py): the
 # rows the statement chose in its `due` CTE (its `alone` CTE: an isolated job to run alone) become running
@@ -148,10 +142,9 @@ def run_claim(raw: Any, sql: str | Positional, params: dict[str, Any],
     # In the caller's transaction: the settings are put back after.
     with raw.cursor() as cursor, faster_payloads(cursor_class(raw)) as claim:
         cursor.execute(planner)
-        before = cursor.fetchone()
         claim.execute(sql, values)
         rows = claim.fetchall()
-        cursor.execute(*restoring(before))
+        cursor.execute(_CLAIM_PLANNER_UNDO)
         if after is not None:
             cursor.execute(*after)
         return rows
@@ -181,11 +174,9 @@ async def _run_claim_async(raw: psycopg.AsyncConnection[Any], sql: str | Positio
             return await cursor.fetchall()
     async with raw.cursor() as cursor, faster_payloads(cursor_class(raw)) as claim:
         await cursor.execute(planner)
-        before = await cursor.fetchone()
-        assert before is not None
         await claim.execute(sql, values)
         rows = await claim.fetchall()
-        await cursor.execute(*restoring(before))
+        await cursor.execute(_CLAIM_PLANNER_UNDO)
         if after is not None:
             await cursor.execute(*after)
         return rows
