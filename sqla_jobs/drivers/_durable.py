@@ -23,7 +23,21 @@ from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Column, Connection, Index, MetaData, String, Table, and_, case, delete, exists, select, update
+from sqlalchemy import (
+    Column,
+    Connection,
+    Index,
+    MetaData,
+    String,
+    Table,
+    and_,
+    case,
+    delete,
+    exists,
+    literal,
+    select,
+    update,
+)
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._claimed import Fence
@@ -43,6 +57,13 @@ MAX_EVENT_KEY = 255
 #: The most events one round of ``emit_many``'s statements writes: their keys and data are bound parameters,
 #: and SQLite takes at most 32,766 in a statement (PostgreSQL 65,535).
 EMIT_CHUNK = 5000
+
+
+def holds_rows(conn: Connection, table: Table) -> bool:
+    """Whether ``table`` has a row: a prune's clean-up of a feature's rows is skipped where nobody used it. (Each
+    statement of it cost more than the prune's own DELETE, per id bound: 15 statements and 9,000 parameters a
+    batch of 5,000, 160 ms against 15.)"""
+    return conn.execute(select(literal(1)).select_from(table).limit(1)).first() is not None
 
 
 def step_table(jobs: Table, metadata: MetaData | None = None) -> Table:
@@ -114,6 +135,8 @@ class Durable:
     jobs: Table
     #: How many events one round of ``emit_many``'s statements takes; None: all (PostgreSQL binds them as arrays).
     emit_chunk: int | None = EMIT_CHUNK
+    #: How many ids one statement of a prune's clean-up matches (``id_chunks``); None: all (PostgreSQL: one array).
+    id_chunk: int | None = 1000
 
     if TYPE_CHECKING:  # Driver's own (declared here for the type checker only: Driver must win the MRO)
         def now(self) -> ColumnElement[datetime]: ...
@@ -207,10 +230,21 @@ class Durable:
         return None
 
     def forget_steps(self, conn: Connection, job_ids: Sequence[int]) -> None:
-        """Pruned jobs take their steps with them."""
+        """Pruned jobs take their steps with them (nothing to ask when no job has a step)."""
         s = self.steps
-        for start in range(0, len(job_ids), 1000):
-            conn.execute(delete(s).where(s.c.job_id.in_(list(job_ids[start:start + 1000]))))
+        if holds_rows(conn, s):
+            for chunk in self.id_chunks(job_ids):
+                conn.execute(delete(s).where(self.among_ids(s.c.job_id, chunk)))
+
+    def id_chunks(self, ids: Collection[int]) -> list[list[int]]:
+        """``ids`` in rounds of ``id_chunk``, for ``among_ids``."""
+        ordered = sorted(set(ids))
+        size = self.id_chunk or max(len(ordered), 1)
+        return [ordered[start:start + size] for start in range(0, len(ordered), size)]
+
+    def among_ids(self, column: ColumnElement[int], ids: Collection[int]) -> ColumnElement[bool]:
+        """``column`` is one of ``ids``: ``IN`` a bound parameter each (PostgreSQL: ``= ANY`` of one array)."""
+        return column.in_(list(ids))
 
     # -- events -----------------------------------------------------------------------------
 

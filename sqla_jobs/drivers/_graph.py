@@ -22,7 +22,7 @@ requeued upstream that later finishes never counts twice for the same dependent.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,7 @@ from sqlalchemy import (
 from sqlalchemy.sql.elements import ColumnElement
 
 from ._batches import ERRBACK, batch_table
+from ._durable import holds_rows
 from ._operations import truncate
 from ._setup import beside
 
@@ -114,6 +115,8 @@ class Graph:
         def now(self) -> ColumnElement[datetime]: ...
         def notify(self, conn: Connection) -> None: ...
         def errback_skip(self, t: Table) -> ColumnElement[bool]: ...
+        def id_chunks(self, ids: Collection[int]) -> list[list[int]]: ...
+        def among_ids(self, column: ColumnElement[int], ids: Collection[int]) -> ColumnElement[bool]: ...
 
     @property
     def edges(self) -> Table:
@@ -286,11 +289,14 @@ class Graph:
         is kept: its ``upstreams()`` still lists it, with no state). By the primary key: cheap per batch."""
         e, b, t = self.edges, batch_table(self.jobs), self.jobs
         callbacks = [b.c.on_complete_id, b.c.on_failure_id, b.c.on_success_id]
-        for chunk in _chunks(sorted(set(pruned))):
-            conn.execute(delete(e).where(e.c.downstream_id.in_(chunk)))
-            # A batch goes with the last of its callbacks (its counts were read through their edges).
-            kept = select(t.c.id).where(t.c.id.in_(callbacks)).exists()
-            conn.execute(delete(b).where(or_(*(c.in_(chunk) for c in callbacks)), ~kept))
+        # Each table only where it has rows: an app without graphs or batches pays two probes, not the statements.
+        edges, batches = holds_rows(conn, e), holds_rows(conn, b)
+        for chunk in self.id_chunks(pruned) if edges or batches else []:
+            if edges:
+                conn.execute(delete(e).where(self.among_ids(e.c.downstream_id, chunk)))
+            if batches:  # A batch goes with the last of its callbacks (its counts were read through their edges).
+                kept = select(t.c.id).where(t.c.id.in_(callbacks)).exists()
+                conn.execute(delete(b).where(or_(*(self.among_ids(c, chunk) for c in callbacks)), ~kept))
 
     # -- reading a graph ---------------------------------------------------------------------
 

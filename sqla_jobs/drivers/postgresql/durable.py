@@ -16,7 +16,7 @@ from collections.abc import Collection
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import ARRAY, Connection, String, Table, Text, and_, any_, cast, func, literal, select
+from sqlalchemy import ARRAY, BigInteger, Connection, String, Table, Text, and_, any_, cast, func, literal, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.sql.elements import ColumnElement
@@ -34,6 +34,7 @@ class PgDurable:
     """``emit_rows``, ``among``, ``waiting_jobs`` and ``parked_waits`` on arrays (see the module docstring)."""
 
     emit_chunk: int | None = None  # no bound parameter per event: one round for all
+    id_chunk: int | None = None  # likewise a prune's clean-up: one array of ids
 
     if TYPE_CHECKING:  # Driver's own
         jobs: Table
@@ -50,6 +51,9 @@ class PgDurable:
         if len(keys) == 1:  # emit_event: the statements it always had
             return column == next(iter(keys))
         return column == any_(_strings(keys))
+
+    def among_ids(self, column: ColumnElement[int], ids: Collection[int]) -> ColumnElement[bool]:
+        return column == any_(literal(list(ids), ARRAY(BigInteger)))
 
     def emit_rows(self, conn: Connection, events: dict[str, Any]) -> set[str]:
         """One ``INSERT ... SELECT FROM unnest(keys, data) ON CONFLICT DO UPDATE ... WHERE`` (``emit_statement``); one
