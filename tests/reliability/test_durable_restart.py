@@ -41,6 +41,9 @@ def test_sleeps_and_event_waits_resume_once_after_a_server_and_a_worker_restart(
     waiters = enqueue(engine, "d_wait", {"key": "paid:restart"}, n=4)
     pool = [workers(private_db.url, concurrency=2, app="tests.durable_app:queue") for _ in range(2)]
     wait_for(lambda: _parked(private_db, sleepers + waiters), 60, "every job to park")
+    # Both started: one may have parked every job while the other still started, and a worker that cannot reach
+    # its database while it starts exits 1 (by design), which is not what this test is about.
+    wait_for(lambda: all(w.started() for w in pool), 60, "every worker to start")
     private_cluster.stop("fast")  # every connection of the workers is cut; nothing is running
     time.sleep(2)
     private_cluster.start()

@@ -100,6 +100,7 @@ def test_server_restart_under_load(private_cluster: PrivateCluster, private_db: 
     pool = [workers(private_db.url, concurrency=3) for _ in range(2)]
     ids = enqueue(engine, "record", {"sleep": 0.1}, n=60, max_attempts=10)
     wait_for(lambda: len(effects(engine, event="finish")) >= 10, 30, "the workers to get going")
+    wait_for(lambda: all(w.started() for w in pool), 60, "every worker to start")  # one may have done all 10
     private_cluster.stop("fast")
     time.sleep(3)  # longer than the 2 s lease: running jobs' leases expire meanwhile
     private_cluster.start()
