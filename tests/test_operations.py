@@ -257,9 +257,9 @@ def test_a_prune_cleans_up_after_graphs_and_steps_only_where_they_have_rows(db: 
     cleanups: list[str] = []
 
     def record(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
-        if statement.startswith("DELETE FROM") and any(f"{suffix}" in statement.split()[2]
-                                                       for suffix in ("_deps", "_batches", "_steps")):
-            cleanups.append(statement.split()[2])
+        words = statement.split()
+        if words[:2] == ["DELETE", "FROM"] and words[2].endswith(("_deps", "_batches", "_steps")):
+            cleanups.append(words[2])
 
     event.listen(db.engine, "before_cursor_execute", record)
     try:
