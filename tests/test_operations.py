@@ -258,7 +258,7 @@ def test_a_prune_cleans_up_after_graphs_and_steps_only_where_they_have_rows(db: 
 
     def record(conn: Any, cursor: Any, statement: str, *_: Any) -> None:
         words = statement.split()
-        if words[:2] == ["DELETE", "FROM"] and words[2].endswith(("_deps", "_batches", "_steps")):
+        if words[:2] == ["DELETE", "FROM"] and words[2].strip("\"`").endswith(("_deps", "_batches", "_steps")):
             cleanups.append(words[2])
 
     event.listen(db.engine, "before_cursor_execute", record)
