@@ -193,6 +193,30 @@ def test_a_big_key_beside_a_small_one_fills_the_fair_claim_in_one_probe(pg: Data
     assert all("never executed" in line for line in extra.splitlines() if "LockRows" in line), extra
 
 
+def test_the_fair_ring_wraps_to_a_big_key_without_walking_its_claimed_jobs(pg: Database) -> None:
+    """Tenant A alone, 20,000 of its 30,000 jobs claimed and not yet vacuumed: their entries stay first in A's
+    range of ix_jobs_fair. A worker that served A last wraps the ring back to A; finding the lowest key with a
+    pending job walked all 20,000 (150 pages, at every claim of a big tenant's drain), where A's own turn then
+    walks them once anyway. The walk now reads a few pages."""
+    app.queue.create_tables(pg.engine)
+    with pg.engine.begin() as conn:
+        conn.exec_driver_sql("ALTER TABLE jobs SET (autovacuum_enabled = false)")  # the entries stay, as between
+        add_fair_jobs(conn, "'A'", 30_000)                                          # two of autovacuum's rounds
+        conn.exec_driver_sql("UPDATE jobs SET state = 'running' WHERE id <= (SELECT min(id) + 19999 FROM jobs)")
+        conn.exec_driver_sql("ANALYZE jobs")
+    with pg.engine.connect() as conn:
+        hot = conn.execution_options(isolation_level="AUTOCOMMIT")
+        claim_fair(hot, "A")  # once, so that the claimed jobs' entries are known dead, as in a drain
+        plans = explain_what_runs(hot)
+        hot.exec_driver_sql("SET auto_explain.log_buffers = on")
+        jobs, _, cursor = claim_fair(hot, "A")
+    assert len(jobs) == 16 and cursor == "A"
+    (plan,) = [p for p in plans if "CTE walk" in p]
+    walk = plan[plan.index("CTE walk"):plan.index("CTE slots")]
+    pages = int(re.findall(r"Buffers: shared hit=(\d+)", walk)[0])  # the whole walk's (its first node's)
+    assert pages <= 20, walk
+
+
 def test_the_fair_claim_is_sent_with_postgresqls_own_parameters() -> None:
     """psycopg parses a ``%(name)s`` statement of over 4,096 characters anew at each execute (the fair claim:
     6,000); ``Positional`` turns it into ``$n`` once, each name one number, and orders the values to match."""

@@ -90,6 +90,29 @@ def test_weights_give_a_key_more_turns(backend: Backend, counts: dict[str, int],
             assert all(before[other] >= min(weights.get(other, 1), m) for other, m in counts.items()), served
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.sampled_from(["b", "d", None]), min_size=1, max_size=8), st.sampled_from(["a", "c", "e"]),
+       st.integers(1, 4))
+def test_a_cursor_on_a_key_with_no_jobs_left_goes_round_the_others(
+    backend: Backend, keys: list[str | None], cursor: str, limit: int
+) -> None:
+    """The key a worker served last may have no job left (the ring wraps back to that key unread on PostgreSQL):
+    the claims still go round the keys after it, then those before it, and take every job once."""
+    empty(backend)
+    ids = enqueue(backend, keys)
+    claimer = Claimer(backend)
+    claimer.cursor = cursor
+    first = claimer.claim(limit)
+    served = [ids[j.id] for j in first]
+    while batch := claimer.claim(limit):
+        served += [ids[j.id] for j in batch]
+    assert Counter(served) == Counter(keys)
+    keyed = sorted({k for k in keys if k is not None})
+    ring = [k for k in keyed if k > cursor] + [k for k in keyed if k < cursor]
+    turns = [k for k in dict.fromkeys(ids[j.id] for j in first) if k is not None]  # the first claim's keys
+    assert turns == ring[:len(turns)], (turns, ring)
+
+
 def test_only_the_queue_its_due_jobs_and_the_plain_claim_leaves_fair_queues(backend: Backend) -> None:
     fair = enqueue(backend, ["a", None, "b"])
     enqueue(backend, ["a"], queue="other")
