@@ -96,6 +96,11 @@ def test_finish_and_claim_finishes_fenced_jobs_and_claims(backend: Backend) -> N
     assert backend.row(done[0].id).state == "running"
     assert backend.row(done[1].id).state == "finished"
     assert backend.row(done[1].id).finished_at is not None
+    # A job given twice, under a stale token and under its own (an abandoned run's outcome and its re-claim's in
+    # one batch), is finished once.
+    again = in_write(backend, lambda conn: backend.driver.finish_and_claim(
+        conn, [stale, done[0].fence, (done[0].id, "also-stale")], 0, "conformance", token, 60.0, None))[0]
+    assert again == {done[0].id} and backend.row(done[0].id).state == "finished"
 
 
 def test_a_discarding_copy_deletes_the_fenced_jobs_it_finishes(backend: Backend) -> None:
