@@ -217,8 +217,12 @@ def test_the_fair_ring_wraps_to_a_big_key_without_walking_its_claimed_jobs(pg: D
     assert pages <= 20, walk
 
 
-@pytest.mark.xfail(strict=True, reason="a known limit (docs/performance.md, 'Fair queues', the side finding): the "
-                   "two lookups tried cost the common drain more than this case gains")
+class KnownLimit(Exception):
+    """What the strict xfail below expects, and nothing else: any other failure of its test is a real one."""
+
+
+@pytest.mark.xfail(strict=True, raises=KnownLimit, reason="a known limit (docs/performance.md, 'Fair queues', the "
+                   "side finding): the two lookups tried cost the common drain more than this case gains")
 @pytest.mark.parametrize("fair", [True, False], ids=["fair", "plain"])
 def test_the_hot_statements_finish_looks_up_its_jobs_whatever_else_runs(pg: Database, fair: bool) -> None:
     """The statistics were taken with nothing running, then 20,000 jobs started (other workers' long runs): the
@@ -250,7 +254,8 @@ def test_the_hot_statements_finish_looks_up_its_jobs_whatever_else_runs(pg: Data
             assert finished == {fence[0] for fence in fences} and len(jobs) == 16
             fences = [job.fence for job in jobs]
     (plan,) = [p for p in plans if "FOR UPDATE" in p or "LockRows" in p]
-    assert most_rows_read(plan) <= 64, plan
+    if most_rows_read(plan) > 64:
+        raise KnownLimit(plan)
 
 
 def test_the_fair_claim_is_sent_with_postgresqls_own_parameters() -> None:

@@ -61,7 +61,7 @@ _NEXT = f"(SELECT fair_key FROM {{live}} WHERE {_PENDING} AND fair_key > {{after
 # Where the ring wraps: the lowest key below the cursor, else the cursor's own key, unread. Not the lowest key of
 # all: a big key served last (the cursor) has its claimed jobs' index entries first in its range until VACUUM, and
 # finding its first pending one walked them all, at every claim (its turn's take walks them once more anyway).
-_LOWEST = (f"COALESCE((SELECT fair_key FROM {{live}} WHERE {_PENDING} AND fair_key < %(after)s ORDER BY fair_key "
+_WRAP = (f"COALESCE((SELECT fair_key FROM {{live}} WHERE {_PENDING} AND fair_key < %(after)s ORDER BY fair_key "
            "LIMIT 1), NULLIF(%(after)s, ''))")
 _TAKE = f"""SELECT id, isolate, priority, run_at,
             row_number() OVER (ORDER BY priority DESC, run_at, id) - 1 AS rn
@@ -83,14 +83,14 @@ FAIR_CLAIM = """
 WITH RECURSIVE {done}walk(k, lap, pos) AS (
     SELECT s.k, s.lap, 1 FROM (
         SELECT COALESCE(n.k, n.low) AS k, CASE WHEN n.k IS NULL THEN 1 ELSE 0 END AS lap FROM (
-            SELECT x.k, CASE WHEN x.k IS NULL THEN {lowest} END AS low FROM (SELECT {first} AS k OFFSET 0) AS x
+            SELECT x.k, CASE WHEN x.k IS NULL THEN {wrap} END AS low FROM (SELECT {first} AS k OFFSET 0) AS x
             OFFSET 0) AS n
         OFFSET 0) AS s
     WHERE s.k IS NOT NULL AND (s.lap = 0 OR s.k <= %(after)s)
     UNION ALL
     SELECT s.k, s.lap, w.pos + 1 FROM walk AS w CROSS JOIN LATERAL (
         SELECT COALESCE(n.k, n.low) AS k, CASE WHEN n.k IS NULL THEN 1 ELSE w.lap END AS lap FROM (
-            SELECT x.k, CASE WHEN w.lap = 0 AND x.k IS NULL THEN {lowest} END AS low
+            SELECT x.k, CASE WHEN w.lap = 0 AND x.k IS NULL THEN {wrap} END AS low
             FROM (SELECT {step} AS k OFFSET 0) AS x OFFSET 0) AS n
         OFFSET 0) AS s
     WHERE w.pos < %(keys)s AND s.k IS NOT NULL AND (s.lap = 0 OR s.k <= %(after)s)
@@ -156,7 +156,7 @@ def fair_claim_sql(live: str, finish: str) -> str:
         done=_DONE.format(finish=finish),
         first=_NEXT.format(live=live, after="%(after)s"),
         step=_NEXT.format(live=live, after="w.k"),
-        lowest=_LOWEST.format(live=live),
+        wrap=_WRAP.format(live=live),
         take_keyed=take("fair_key >= s.k AND fair_key <= s.k", _TOOK),
         take_keyless=take("fair_key IS NULL", _TOOK),
         took=_TOOK,
