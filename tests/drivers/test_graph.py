@@ -352,6 +352,21 @@ def test_a_finish_sent_again_after_its_reply_was_lost_counts_nothing_down_twice(
     assert (state(backend, down), waiting(backend, down)) == ("blocked", 1)
 
 
+def test_an_upstream_named_but_not_finished_counts_nothing_down(backend: Backend) -> None:
+    """A worker names an upstream whose claim is no longer its own (another token on the row): the finish
+    leaves it running, and its dependent stays blocked; only what the finish took is handed off."""
+    up = job()
+    [down] = add(backend, job(depends_on=[up]))
+    [claimed] = claim_all(backend, [up.id])
+    named = [up.id] if claimed.has_dependents else []
+    in_write(backend, lambda c: backend.driver.finish_and_claim(c, [(up.id, "not-its-token")], 0, "w", "t", 60.0,
+                                                                None, upstreams=named))
+    assert (state(backend, up.id), state(backend, down), waiting(backend, down)) == ("running", "blocked", 1)
+    in_write(backend, lambda c: backend.driver.finish_and_claim(c, [claimed.fence], 0, "w", "t", 60.0, None,
+                                                                upstreams=named))
+    assert (state(backend, up.id), state(backend, down), waiting(backend, down)) == ("finished", "pending", 0)
+
+
 def test_an_unblocked_job_is_due_from_the_moment_it_was_unblocked(backend: Backend) -> None:
     """Its age as a pending job (the queue's "oldest pending" alarm) starts when it became pending, not when
     it was added: a join that waited an hour for its pages is not an hour-old job in the queue."""
