@@ -62,7 +62,7 @@ _NEXT = f"(SELECT fair_key FROM {{live}} WHERE {_PENDING} AND fair_key > {{after
 # all: a big key served last (the cursor) has its claimed jobs' index entries first in its range until VACUUM, and
 # finding its first pending one walked them all, at every claim (its turn's take walks them once more anyway).
 _WRAP = (f"COALESCE((SELECT fair_key FROM {{live}} WHERE {_PENDING} AND fair_key < %(after)s ORDER BY fair_key "
-           "LIMIT 1), NULLIF(%(after)s, ''))")
+         "LIMIT 1), NULLIF(%(after)s, ''))")
 _TAKE = f"""SELECT id, isolate, priority, run_at,
             row_number() OVER (ORDER BY priority DESC, run_at, id) - 1 AS rn
         FROM (SELECT id, isolate, priority, run_at FROM {{live}}
