@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import json
 import multiprocessing as mp
+import signal
 import statistics
 import sys
 import threading
@@ -57,6 +58,7 @@ from .._bootstrap import database_url, make_async_engine, make_engine, missing_d
 from ..drivers import driver_class
 from ..worker.async_worker import AsyncWorker
 from ..worker.config import WorkerConfig
+from ..worker.supervisor import watch_parent
 from ..worker.worker import Worker
 from .app import BenchDeadJob, BenchJob, BenchOrder, PlainJob, picked_event, picked_up, queue
 from .enqueue import (
@@ -68,7 +70,7 @@ from .enqueue import (
 )
 
 # The bench app, for scripts and `--app sqla_jobs.bench.run:queue`.
-__all__ = ["BenchDeadJob", "BenchJob", "queue", "run_bench"]
+__all__ = ["BenchDeadJob", "BenchJob", "queue", "run_bench", "stop_on_sigterm", "watch_bench"]
 
 
 # -- scratch database --------------------------------------------------------------
@@ -125,6 +127,29 @@ def _fill_finished(engine: Engine, rows: int) -> None:
     """Old finished jobs, as a queue that has not been pruned would have."""
     with engine.begin() as conn:
         queue.driver(conn).bench_fill_finished(conn, rows)
+
+
+# -- the bench's processes -----------------------------------------------------------
+
+
+def stop_on_sigterm() -> None:
+    """A SIGTERM unwinds the bench as Ctrl-C does: its worker processes are stopped and its scratch schema
+    or file removed on the way out (``sqla-jobs`` then exits 130). A second one while that clean-up runs is
+    ignored, so that it finishes."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def watch_bench() -> None:
+    """Called first in each worker process the bench spawns: a bench killed with SIGKILL cannot stop its
+    workers, so each stops itself (as on SIGTERM) once the bench is gone."""
+    parent = mp.parent_process()
+    if parent is not None and parent.pid is not None:
+        threading.Thread(target=watch_parent, args=(parent.pid,), daemon=True, name="sqla-jobs-bench").start()
 
 
 # -- measurements --------------------------------------------------------------------
@@ -187,7 +212,7 @@ def spawned(processes: int, target: Any, arguments: Any) -> Iterator[list[Any]]:
     once its worker is built; this yields once all are (or 60 s passed) and terminates them after."""
     ctx = mp.get_context("spawn")
     readies = [ctx.Event() for _ in range(processes)]
-    procs = [ctx.Process(target=target, args=arguments(r)) for r in readies]
+    procs = [ctx.Process(target=_watching, args=(target, *arguments(r))) for r in readies]
     for p in procs:
         p.start()
     try:
@@ -200,6 +225,11 @@ def spawned(processes: int, target: Any, arguments: Any) -> Iterator[list[Any]]:
             p.terminate()  # SIGTERM: graceful, nothing is running by now
         for p in procs:
             p.join(30)
+
+
+def _watching(target: Any, *arguments: Any) -> None:
+    watch_bench()
+    target(*arguments)
 
 
 def drain(

@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import json
 import multiprocessing as mp
-import signal
 import sys
 import threading
 import time
@@ -52,7 +51,7 @@ from .._durations import parse_duration
 from ..errors import ConfigError
 from ..worker.config import WorkerConfig
 from ..worker.worker import Worker
-from .run import BenchDeadJob, BenchJob, _reset, queue, scratch
+from .run import BenchDeadJob, BenchJob, _reset, queue, scratch, watch_bench
 from .soak_faults import FAULT_HEARTBEAT, FAULT_LEASE, Fault, Fleet, inject_faults
 from .soak_load import Tally, collect, produce, prune, vacuum
 from .soak_monitor import pending_and_running, progress_line, sample_now, table_figures, windows_of
@@ -131,6 +130,7 @@ def _worker_main(url: str, concurrency: int, batch_size: int | None, faults: boo
     """One worker process; its handlers' start times go to ``starts`` twice a second and at the end."""
     import logging
 
+    watch_bench()
     logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size)
     if faults:
@@ -289,17 +289,11 @@ def _ran(engine: Any, settings: SoakSettings, tally: Tally) -> int:
         return int(finished.scalar_one()) + pruned
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def run_soak(args: argparse.Namespace) -> int:
     settings = SoakSettings.from_args(args)
     url = database_url(args.url)
     if missing_database(url) is None:  # a server: check it answers. A file: the scratch goes beside it
         make_engine(args.url).dispose()
-    # A stop (Ctrl-C, SIGTERM) unwinds like an error: the workers are stopped and the scratch removed.
-    signal.signal(signal.SIGTERM, _interrupt)
     rate = "max" if settings.rate is None else f"{settings.rate:g}/s"
     print(f"soak: {settings.seconds:g}s at {rate}, {settings.processes} process(es) x {settings.concurrency} threads, "
           f"windows of {settings.window:g}s, prune after {settings.prune_after}", file=sys.stderr, flush=True)

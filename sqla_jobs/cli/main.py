@@ -106,6 +106,9 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from ..bench.run import stop_on_sigterm
+
+    stop_on_sigterm()  # a stop unwinds like an error: the workers are stopped, the scratch removed
     if args.durable:
         from ..bench.durable import run_durable
 

@@ -14,6 +14,7 @@ percentiles       computed in Python from one row per run
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -156,6 +157,7 @@ class SQLiteDriver(Driver):
         base = url.database if url.database not in (None, "", ":memory:") else None
         folder = os.path.dirname(os.path.abspath(base)) if base else tempfile.gettempdir()
         path = os.path.join(folder, f"sqla-jobs-bench-{os.getpid()}.db")
+        _remove_abandoned(folder)
         try:
             yield url.set(database=path)
         finally:
@@ -313,3 +315,24 @@ class SQLiteDriver(Driver):
         t = self.jobs
         took = self.seconds_between(t.c.finished_at, t.c.locked_at)
         return run_times_in_python(conn.execute(select(t.c.kind, took).where(self.recently_finished(window))))
+
+
+def _remove_abandoned(folder: str) -> None:
+    """Remove the scratch files of benches no longer running on this machine (one killed with SIGKILL
+    leaves its own): their names end in the process id."""
+    for name in os.listdir(folder):
+        found = re.fullmatch(r"sqla-jobs-bench-(\d+)\.db(-wal|-shm)?", name)
+        if found is None or _running(int(found.group(1))):
+            continue
+        with contextlib.suppress(FileNotFoundError):  # another bench starting removed it first
+            os.remove(os.path.join(folder, name))
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -43,7 +43,7 @@ from .outcomes import hand_back_lost
 from .process import WorkerProcess, run_worker_process
 from .signals import SIGNALS, stop_signals
 
-__all__ = ["child_main", "supervise"]
+__all__ = ["child_main", "supervise", "watch_parent"]
 
 log = logging.getLogger("sqla_jobs")
 
@@ -172,7 +172,7 @@ def child_main() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
     # The name's {pid} is this process's: WorkerConfig fills it in when it is made, so make it here.
     spec = dataclasses.replace(spec, config=dataclasses.replace(spec.config, name=name))
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="sqla-jobs-parent").start()
+    threading.Thread(target=watch_parent, args=(parent,), daemon=True, name="sqla-jobs-parent").start()
     try:
         code = run_worker_process(spec)
     except ConnectionProblem as exc:
@@ -188,9 +188,10 @@ def child_main() -> None:
     sys.exit(code)
 
 
-def _watch_parent(parent: int) -> None:
+def watch_parent(parent: int) -> None:
     """Outside the terminal's process group, a child would outlive a supervisor killed with SIGKILL:
-    when the supervisor is gone, stop as if it had forwarded a SIGTERM."""
+    when the supervisor is gone, stop as if it had forwarded a SIGTERM. (The bench's worker processes
+    watch the bench the same way: ``sqla_jobs.bench.run``.)"""
     while os.getppid() == parent:
         time.sleep(1.0)
     log.warning("the supervisor (process %d) is gone: stopping", parent)

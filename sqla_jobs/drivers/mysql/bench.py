@@ -12,7 +12,23 @@ from contextlib import contextmanager
 from sqlalchemy import Connection, Table, create_engine, text
 from sqlalchemy.engine import URL
 
-__all__ = ["MySQLBench"]
+from ...errors import ConfigError
+
+__all__ = ["SCRATCH_PREFIX", "MySQLBench"]
+
+#: The bench's scratch databases are named this and the bench's process id.
+SCRATCH_PREFIX = "sqla_jobs_bench_"
+
+
+def _drop_abandoned(conn: Connection) -> None:
+    """Drop the scratch databases no running bench holds (a bench killed with SIGKILL leaves its own)."""
+    names = conn.execute(text("SELECT schema_name FROM information_schema.schemata WHERE schema_name LIKE :like"),
+                         {"like": SCRATCH_PREFIX.replace("_", "\\_") + "%"}).scalars().all()
+    for name in names:
+        if conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": name}).scalar_one() == 1:
+            conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
+            conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": name})
+    conn.commit()
 
 
 class MySQLBench:
@@ -23,16 +39,27 @@ class MySQLBench:
     @classmethod
     @contextmanager
     def bench_scratch(cls, url: URL) -> Iterator[URL]:
-        database = f"sqla_jobs_bench_{os.getpid()}"
+        # The bench holds a named lock (GET_LOCK) called after its database while it runs: a scratch database
+        # whose lock is free was left by a bench killed with SIGKILL (its session, and the lock, ended with it).
+        database = f"{SCRATCH_PREFIX}{os.getpid()}"
         admin = create_engine(url)
-        with admin.begin() as conn:
-            conn.execute(text(f"DROP DATABASE IF EXISTS `{database}`"))
-            conn.execute(text(f"CREATE DATABASE `{database}` CHARACTER SET utf8mb4"))
+        holder = admin.connect()
         try:
-            yield url.set(database=database)
-        finally:
+            if holder.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": database}).scalar_one() != 1:
+                raise ConfigError(f"scratch database {database} is in use by another bench (on another machine, "
+                                  "with this one's process id): run this one again")
+            _drop_abandoned(holder)
             with admin.begin() as conn:
                 conn.execute(text(f"DROP DATABASE IF EXISTS `{database}`"))
+                conn.execute(text(f"CREATE DATABASE `{database}` CHARACTER SET utf8mb4"))
+            try:
+                yield url.set(database=database)
+            finally:
+                with admin.begin() as conn:
+                    conn.execute(text(f"DROP DATABASE IF EXISTS `{database}`"))
+                holder.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": database})
+        finally:
+            holder.close()
             admin.dispose()
 
     def bench_analyze(self, conn: Connection) -> None:

@@ -16,7 +16,25 @@ from sqlalchemy.engine import URL
 from ...errors import ConfigError
 from .notify import pg_name
 
-__all__ = ["PgBench"]
+__all__ = ["SCRATCH_PREFIX", "PgBench"]
+
+#: The bench's scratch schemas are named this and the bench's process id.
+SCRATCH_PREFIX = "sqla_jobs_bench_"
+#: The first key of the advisory locks the benches hold on their scratch schemas (the second: the name's hash).
+_LOCK_SPACE = 0x5B3C4
+_KEY = "CAST(:space AS integer), hashtext(:schema)"
+
+
+def _drop_abandoned(conn: Connection) -> None:
+    """Drop the scratch schemas no running bench holds (a bench killed with SIGKILL leaves its own)."""
+    names = conn.execute(text("SELECT nspname FROM pg_namespace WHERE starts_with(nspname, :prefix)"),
+                         {"prefix": SCRATCH_PREFIX}).scalars().all()
+    for name in names:
+        key = {"space": _LOCK_SPACE, "schema": name}
+        if conn.execute(text(f"SELECT pg_try_advisory_lock({_KEY})"), key).scalar_one():
+            conn.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
+            conn.execute(text(f"SELECT pg_advisory_unlock({_KEY})"), key)
+        conn.commit()
 
 
 class PgBench:
@@ -31,16 +49,31 @@ class PgBench:
     @classmethod
     @contextmanager
     def bench_scratch(cls, url: URL) -> Iterator[URL]:
-        schema = f"sqla_jobs_bench_{os.getpid()}"
+        # The bench holds an advisory lock named after its schema while it runs: a scratch schema whose lock
+        # is free was left by a bench killed with SIGKILL (its session, and the lock, ended with it).
+        schema = f"{SCRATCH_PREFIX}{os.getpid()}"
         admin = create_engine(url)
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-            conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+        holder = admin.connect()
+        key = {"space": _LOCK_SPACE, "schema": schema}
         try:
-            yield url.update_query_dict({"options": f"-csearch_path={schema}"})
-        finally:
+            if not holder.execute(text(f"SELECT pg_try_advisory_lock({_KEY})"), key).scalar_one():
+                raise ConfigError(f"scratch schema {schema} is in use by another bench (on another machine, "
+                                  "with this one's process id): run this one again")
+            holder.commit()
+            _drop_abandoned(holder)
             with admin.begin() as conn:
                 conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+                conn.execute(text(f'CREATE SCHEMA "{schema}"'))
+            try:
+                yield url.update_query_dict({"options": f"-csearch_path={schema}"})
+            finally:
+                with admin.begin() as conn:
+                    conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+                # Said, not left to the session's end: behind PgBouncer the server session outlives ours.
+                holder.execute(text(f"SELECT pg_advisory_unlock({_KEY})"), key)
+                holder.commit()
+        finally:
+            holder.close()
             admin.dispose()
 
     def bench_fill_finished(self, conn: Connection, rows: int) -> None:
