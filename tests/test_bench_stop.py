@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -70,6 +70,19 @@ def scratch_exists(backend: str, url: str, folder: Path, pid: int) -> bool:
         engine.dispose()
 
 
+def scratch_holder(url: str, pid: int) -> tuple[str, object]:
+    """The state and ``backend_xmin`` of the PostgreSQL session that holds bench ``pid``'s scratch lock."""
+    engine = create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return tuple(conn.execute(text(
+                "SELECT a.state, a.backend_xmin FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid) "
+                "WHERE l.locktype = 'advisory' AND l.classid = 373700 AND l.objid = hashtext(:name)::oid"),
+                {"name": f"sqla_jobs_bench_{pid}"}).one())
+    finally:
+        engine.dispose()
+
+
 def start_soak(url: str, out: Path) -> forkserver.Popen:
     """A long, light soak: its two worker processes are up within seconds and it would run for minutes."""
     return forkserver.Popen(
@@ -95,14 +108,30 @@ def running_workers(bench: forkserver.Popen) -> set[int]:
     return set(workers)
 
 
+@pytest.fixture
+def benches() -> Iterator[list[forkserver.Popen]]:
+    """The benches a test starts, killed if a failed assertion left one running."""
+    started: list[forkserver.Popen] = []
+    yield started
+    for bench in started:
+        if bench.poll() is None:
+            bench.send_signal(signal.SIGTERM)
+            bench.communicate(timeout=90)
+
+
 @pytest.mark.parametrize("backend", ["postgresql", "mariadb", "sqlite"])
-def test_a_bench_stopped_or_killed_leaves_no_process_and_no_scratch(backend: str, tmp_path: Path) -> None:
+def test_a_bench_stopped_or_killed_leaves_no_process_and_no_scratch(
+    backend: str, tmp_path: Path, benches: list[forkserver.Popen],
+) -> None:
     url = server_url(backend, tmp_path / "bench.db")
 
     # SIGTERM: it stops its workers, removes its scratch and exits 130 (as after Ctrl-C).
     bench = start_soak(url, tmp_path / "out-term")
+    benches.append(bench)
     workers = running_workers(bench)
     wait_until(lambda: scratch_exists(backend, url, tmp_path, bench.pid), 30, "the scratch")
+    if backend == "postgresql":  # its lock's session sits idle, not in a transaction that holds back VACUUM
+        assert scratch_holder(url, bench.pid) == ("idle", None)
     bench.send_signal(signal.SIGTERM)
     _, stderr = bench.communicate(timeout=90)
     assert bench.returncode == 130, stderr
@@ -111,6 +140,7 @@ def test_a_bench_stopped_or_killed_leaves_no_process_and_no_scratch(backend: str
 
     # SIGKILL: the workers stop on their own; the scratch stays until the next bench drops it.
     killed = start_soak(url, tmp_path / "out-kill")
+    benches.append(killed)
     workers = running_workers(killed)
     wait_until(lambda: scratch_exists(backend, url, tmp_path, killed.pid), 30, "the scratch")
     killed.kill()

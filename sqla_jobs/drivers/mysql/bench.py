@@ -28,7 +28,6 @@ def _drop_abandoned(conn: Connection) -> None:
         if conn.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": name}).scalar_one() == 1:
             conn.execute(text(f"DROP DATABASE IF EXISTS `{name}`"))
             conn.execute(text("SELECT RELEASE_LOCK(:name)"), {"name": name})
-    conn.commit()
 
 
 class MySQLBench:
@@ -43,7 +42,7 @@ class MySQLBench:
         # whose lock is free was left by a bench killed with SIGKILL (its session, and the lock, ended with it).
         database = f"{SCRATCH_PREFIX}{os.getpid()}"
         admin = create_engine(url)
-        holder = admin.connect()
+        holder = admin.connect().execution_options(isolation_level="AUTOCOMMIT")  # never idle in a transaction
         try:
             if holder.execute(text("SELECT GET_LOCK(:name, 0)"), {"name": database}).scalar_one() != 1:
                 raise ConfigError(f"scratch database {database} is in use by another bench (on another machine, "

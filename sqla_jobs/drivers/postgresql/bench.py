@@ -34,7 +34,6 @@ def _drop_abandoned(conn: Connection) -> None:
         if conn.execute(text(f"SELECT pg_try_advisory_lock({_KEY})"), key).scalar_one():
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
             conn.execute(text(f"SELECT pg_advisory_unlock({_KEY})"), key)
-        conn.commit()
 
 
 class PgBench:
@@ -53,13 +52,13 @@ class PgBench:
         # is free was left by a bench killed with SIGKILL (its session, and the lock, ended with it).
         schema = f"{SCRATCH_PREFIX}{os.getpid()}"
         admin = create_engine(url)
-        holder = admin.connect()
+        # Autocommit: a session idle in a transaction would hold back PostgreSQL's vacuum horizon all along.
+        holder = admin.connect().execution_options(isolation_level="AUTOCOMMIT")
         key = {"space": _LOCK_SPACE, "schema": schema}
         try:
             if not holder.execute(text(f"SELECT pg_try_advisory_lock({_KEY})"), key).scalar_one():
                 raise ConfigError(f"scratch schema {schema} is in use by another bench (on another machine, "
                                   "with this one's process id): run this one again")
-            holder.commit()
             _drop_abandoned(holder)
             with admin.begin() as conn:
                 conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
@@ -71,7 +70,6 @@ class PgBench:
                     conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
                 # Said, not left to the session's end: behind PgBouncer the server session outlives ours.
                 holder.execute(text(f"SELECT pg_advisory_unlock({_KEY})"), key)
-                holder.commit()
         finally:
             holder.close()
             admin.dispose()
