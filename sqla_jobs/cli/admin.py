@@ -349,9 +349,16 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     limit = parse_duration(args.max_oldest_age)
+    open_limit = None if args.max_transaction_age is None else parse_duration(args.max_transaction_age)
     try:
         queue, engine = _open(args)
         stats = queue.stats(engine, run_times=False)
+        with engine.connect() as conn:
+            driver = queue.driver(conn)
+            if open_limit is not None and not driver.keeps_old_versions:
+                raise ConfigError(f"--max-transaction-age: {driver.label} keeps no old row versions for an open "
+                                  f"transaction to hold back; leave the option out for a {driver.label} database")
+            oldest = driver.oldest_transaction(conn) if open_limit is not None else None
     except (ConnectionProblem, SchemaError) as exc:
         print(f"UNHEALTHY: {exc}")
         return 1
@@ -365,5 +372,15 @@ def cmd_health(args: argparse.Namespace) -> int:
         print(f"UNHEALTHY: the oldest pending job has waited {format_duration(age)} "
               f"(limit {format_duration(limit)}); {summary}")
         return 1
-    print(f"OK: oldest pending job waited {format_duration(age or 0.0)} (limit {format_duration(limit)}); {summary}")
+    if open_limit is not None and oldest is not None and oldest.seconds > open_limit:
+        print(f"UNHEALTHY: a transaction has been open for {format_duration(oldest.seconds)} (limit "
+              f"{format_duration(open_limit)}): {oldest.session}. While it is, the database cleans up no old "
+              f"row version of the jobs table and claims slow down; end it ({oldest.end_it}) or find what "
+              f"left it open; {summary}")
+        return 1
+    opened = "" if open_limit is None else (
+        f"; oldest open transaction {format_duration(oldest.seconds if oldest else 0.0)} "
+        f"(limit {format_duration(open_limit)})")
+    print(f"OK: oldest pending job waited {format_duration(age or 0.0)} (limit {format_duration(limit)}){opened}; "
+          f"{summary}")
     return 0

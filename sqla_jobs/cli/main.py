@@ -338,6 +338,9 @@ def build_parser() -> argparse.ArgumentParser:
     common_options(p)
     p.add_argument("--max-oldest-age", required=True, metavar="AGE",
                    help="unhealthy when a due job has waited longer (e.g. 15m)")
+    p.add_argument("--max-transaction-age", metavar="AGE",
+                   help="PostgreSQL, MariaDB: unhealthy when a transaction in the database has been open longer "
+                        "(e.g. 10m): it keeps the jobs table's old row versions (docs/howto/operations.md)")
     p.set_defaults(func=cmd_health)
 
     add_migrations_parser(sub, common_options)

@@ -49,6 +49,7 @@ from ._percentile import percentile, run_times_in_python
 from ._results import Flow
 from ._sequences import Sequences
 from ._setup import DatabaseNow, IndexDefinition, Setup, index_dialects
+from ._transactions import OpenTransactions
 from ._unique import Uniqueness
 
 if TYPE_CHECKING:
@@ -74,7 +75,8 @@ _SEQUENCED = ("sequence_key", "state", "waiting_for", "on_upstream_failure")
 
 
 # Sequences before Operations: its ``cancel`` splices a sequence, then runs the plain one.
-class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durable, Fairness):
+class Driver(Setup, Sequences, Operations, Uniqueness, Flow, Endings, Graph, Batches, Durable, Fairness,
+             OpenTransactions):
     """The statements for one pair of tables on one backend.
 
     Subclasses set ``name`` (SQLAlchemy's dialect name) and ``label`` and

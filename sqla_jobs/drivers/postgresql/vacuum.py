@@ -1,5 +1,6 @@
 """PostgreSQL: the jobs table's dead rows, counted and vacuumed (``sqla_jobs.worker.vacuum`` decides when),
-and the autovacuum trigger a plain jobs table is created with (``AUTOVACUUM``).
+the autovacuum trigger a plain jobs table is created with (``AUTOVACUUM``), and the oldest open transaction,
+which no vacuum gets past (``drivers/_transactions.py``).
 
 Mixed into ``PostgreSQLDriver``. A partitioned jobs table (``pg_partitions``) is
 counted over its partitions, and ``VACUUM`` of the parent vacuums each of them.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, Table, text
 
+from .._transactions import OpenTransaction
 from .notify import pg_name
 
 __all__ = ["AUTOVACUUM", "PgVacuum", "autovacuum_ddl"]
@@ -48,6 +50,26 @@ class PgVacuum:
     def vacuum(self, conn: Connection) -> None:
         # SKIP_LOCKED: if autovacuum or another worker's vacuum is at it, this one is not needed now.
         conn.execute(text(f"VACUUM (SKIP_LOCKED) {pg_name(self.jobs)}"))
+
+    keeps_old_versions = True
+
+    def oldest_transaction(self, conn: Connection) -> OpenTransaction | None:
+        # Sessions with a snapshot or a transaction id hold the horizon back; so does a prepared transaction.
+        # Other roles' sessions show their times to a superuser or a member of pg_read_all_stats only.
+        row = conn.execute(text(
+            "SELECT * FROM ("
+            " SELECT extract(epoch FROM clock_timestamp() - xact_start) AS seconds,"
+            "  format('session %s (application %L, %s)', pid, application_name, state) AS session,"
+            "  format('SELECT pg_terminate_backend(%s)', pid) AS end_it"
+            " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            "  AND xact_start IS NOT NULL AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)"
+            " UNION ALL"
+            " SELECT extract(epoch FROM clock_timestamp() - prepared), format('prepared transaction %L', gid),"
+            "  format('ROLLBACK PREPARED %L', gid)"
+            " FROM pg_prepared_xacts WHERE database = current_database()"
+            ") AS open ORDER BY seconds DESC LIMIT 1"
+        )).first()
+        return None if row is None else OpenTransaction(float(row.seconds), row.session, row.end_it)
 
     def bench_vacuum(self, conn: Connection) -> None:
         conn.execute(text(f"VACUUM {pg_name(self.jobs)}"))
