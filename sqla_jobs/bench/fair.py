@@ -41,7 +41,8 @@ from .._app import JobQueue
 from ..worker.config import WorkerConfig
 from ..worker.worker import Worker
 from .app import BenchDeadJob, BenchJob, queue
-from .run import Figures, _pct, _reset, reachable, scratch, spawned
+from .processes import spawned
+from .run import Figures, _pct, _reset, reachable, scratch
 
 __all__ = ["run_fair"]
 

@@ -41,8 +41,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import multiprocessing as mp
-import signal
 import statistics
 import sys
 import threading
@@ -58,7 +56,6 @@ from .._bootstrap import database_url, make_async_engine, make_engine, missing_d
 from ..drivers import driver_class
 from ..worker.async_worker import AsyncWorker
 from ..worker.config import WorkerConfig
-from ..worker.supervisor import watch_parent
 from ..worker.worker import Worker
 from .app import BenchDeadJob, BenchJob, BenchOrder, PlainJob, picked_event, picked_up, queue
 from .enqueue import (
@@ -68,9 +65,10 @@ from .enqueue import (
     enqueue_fast,
     enqueue_single,
 )
+from .processes import spawned
 
 # The bench app, for scripts and `--app sqla_jobs.bench.run:queue`.
-__all__ = ["BenchDeadJob", "BenchJob", "queue", "run_bench", "stop_on_sigterm", "watch_bench"]
+__all__ = ["BenchDeadJob", "BenchJob", "queue", "run_bench"]
 
 
 # -- scratch database --------------------------------------------------------------
@@ -129,29 +127,6 @@ def _fill_finished(engine: Engine, rows: int) -> None:
         queue.driver(conn).bench_fill_finished(conn, rows)
 
 
-# -- the bench's processes -----------------------------------------------------------
-
-
-def stop_on_sigterm() -> None:
-    """A SIGTERM unwinds the bench as Ctrl-C does: its worker processes are stopped and its scratch schema
-    or file removed on the way out (``sqla-jobs`` then exits 130). A second one while that clean-up runs is
-    ignored, so that it finishes."""
-
-    def interrupt(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
-
-
-def watch_bench() -> None:
-    """Called first in each worker process the bench spawns: a bench killed with SIGKILL cannot stop its
-    workers, so each stops itself (as on SIGTERM) once the bench is gone."""
-    parent = mp.parent_process()
-    if parent is not None and parent.pid is not None:
-        threading.Thread(target=watch_parent, args=(parent.pid,), daemon=True, name="sqla-jobs-bench").start()
-
-
 # -- measurements --------------------------------------------------------------------
 
 
@@ -204,32 +179,6 @@ def worker_processes(
     with spawned(processes, _worker_main, lambda ready: (rendered, concurrency, ready, batch_size, asynchronous,
                                                           vacuum_dead_rows, discard_finished)) as procs:
         yield procs
-
-
-@contextlib.contextmanager
-def spawned(processes: int, target: Any, arguments: Any) -> Iterator[list[Any]]:
-    """``processes`` spawned processes running ``target(*arguments(ready))``, each setting its ``ready`` event
-    once its worker is built; this yields once all are (or 60 s passed) and terminates them after."""
-    ctx = mp.get_context("spawn")
-    readies = [ctx.Event() for _ in range(processes)]
-    procs = [ctx.Process(target=_watching, args=(target, *arguments(r))) for r in readies]
-    for p in procs:
-        p.start()
-    try:
-        for r in readies:
-            r.wait(60)
-        time.sleep(0.5)  # let them reach their idle wait
-        yield procs
-    finally:
-        for p in procs:
-            p.terminate()  # SIGTERM: graceful, nothing is running by now
-        for p in procs:
-            p.join(30)
-
-
-def _watching(target: Any, *arguments: Any) -> None:
-    watch_bench()
-    target(*arguments)
 
 
 def drain(

@@ -51,7 +51,8 @@ from .._durations import parse_duration
 from ..errors import ConfigError
 from ..worker.config import WorkerConfig
 from ..worker.worker import Worker
-from .run import BenchDeadJob, BenchJob, _reset, queue, scratch, watch_bench
+from .processes import watch_bench
+from .run import BenchDeadJob, BenchJob, _reset, queue, scratch
 from .soak_faults import FAULT_HEARTBEAT, FAULT_LEASE, Fault, Fleet, inject_faults
 from .soak_load import Tally, collect, produce, prune, vacuum
 from .soak_monitor import pending_and_running, progress_line, sample_now, table_figures, windows_of

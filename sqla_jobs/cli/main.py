@@ -106,7 +106,7 @@ def worker_config(args: argparse.Namespace) -> WorkerConfig:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..bench.run import stop_on_sigterm
+    from ..bench.processes import stop_on_sigterm
 
     stop_on_sigterm()  # a stop unwinds like an error: the workers are stopped, the scratch removed
     if args.durable:

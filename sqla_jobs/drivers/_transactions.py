@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import Connection
+from sqlalchemy import Connection, text
 
-__all__ = ["OpenTransaction", "OpenTransactions"]
+__all__ = ["OpenTransaction", "OpenTransactions", "oldest_of"]
 
 
 @dataclass(frozen=True)
@@ -40,3 +40,10 @@ class OpenTransactions:
         """The oldest transaction open in this database other than ``conn``'s, or None: none is open, or
         the backend has no such cleanup (SQLite)."""
         return None
+
+
+def oldest_of(conn: Connection, query: str) -> OpenTransaction | None:
+    """The first row of ``query``, which lists open transactions (``seconds``, ``session``, ``end_it``) oldest
+    first."""
+    row = conn.execute(text(query)).first()
+    return None if row is None else OpenTransaction(float(row.seconds), row.session, row.end_it)

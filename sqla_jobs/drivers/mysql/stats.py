@@ -5,12 +5,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, Table, case, func, select, text
+from sqlalchemy import Connection, Table, case, func, select
 from sqlalchemy.sql.elements import ColumnElement
 
-from .._transactions import OpenTransaction
+from .._transactions import OpenTransaction, oldest_of
 
 __all__ = ["MySQLStats"]
+
+#: InnoDB lists a transaction once it has read or written a table; seeing other users' needs PROCESS.
+_OLDEST = (
+    "SELECT TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1e6 AS seconds,"
+    " CONCAT('connection ', t.trx_mysql_thread_id, ' (user ', QUOTE(COALESCE(p.USER, '?')), ', ',"
+    "  IF(p.COMMAND = 'Sleep', 'idle in a transaction', LOWER(COALESCE(p.COMMAND, 'unknown'))), ')') AS session,"
+    " CONCAT('KILL ', t.trx_mysql_thread_id) AS end_it"
+    " FROM information_schema.INNODB_TRX AS t"
+    " LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id"
+    " WHERE t.trx_mysql_thread_id <> CONNECTION_ID() ORDER BY t.trx_started LIMIT 1"
+)
 
 
 class MySQLStats:
@@ -72,16 +83,4 @@ class MySQLStats:
     keeps_old_versions = True
 
     def oldest_transaction(self, conn: Connection) -> OpenTransaction | None:
-        # InnoDB lists a transaction once it has read or written a table; seeing other users' needs PROCESS.
-        row = conn.execute(text(
-            "SELECT TIMESTAMPDIFF(MICROSECOND, t.trx_started, NOW(6)) / 1e6 AS seconds, t.trx_mysql_thread_id AS id,"
-            " p.USER AS user, p.COMMAND AS command"
-            " FROM information_schema.INNODB_TRX AS t"
-            " LEFT JOIN information_schema.PROCESSLIST AS p ON p.ID = t.trx_mysql_thread_id"
-            " WHERE t.trx_mysql_thread_id <> CONNECTION_ID() ORDER BY t.trx_started LIMIT 1"
-        )).first()
-        if row is None:
-            return None
-        state = "idle in a transaction" if row.command == "Sleep" else (row.command or "").lower()
-        return OpenTransaction(float(row.seconds), f"connection {row.id} (user {row.user!r}, {state})",
-                               f"KILL {row.id}")
+        return oldest_of(conn, _OLDEST)

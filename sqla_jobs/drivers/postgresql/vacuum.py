@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, Table, text
 
-from .._transactions import OpenTransaction
+from .._transactions import OpenTransaction, oldest_of
 from .notify import pg_name
 
 __all__ = ["AUTOVACUUM", "PgVacuum", "autovacuum_ddl"]
@@ -21,6 +21,22 @@ __all__ = ["AUTOVACUUM", "PgVacuum", "autovacuum_ddl"]
 #: while every claim walks the dead index entries the claims before it left (docs/performance.md, "What
 #: history costs"). Autovacuum visits a table at most once per naptime (a minute by default).
 AUTOVACUUM = {"autovacuum_vacuum_scale_factor": "0", "autovacuum_vacuum_threshold": "20000"}
+
+#: Sessions with a snapshot or a transaction id hold the horizon back; so does a prepared transaction.
+#: Other roles' sessions show their times to a superuser or a member of pg_read_all_stats only.
+_OLDEST = (
+    "SELECT * FROM ("
+    " SELECT extract(epoch FROM clock_timestamp() - xact_start) AS seconds,"
+    "  format('session %s (application %L, %s)', pid, application_name, state) AS session,"
+    "  format('SELECT pg_terminate_backend(%s)', pid) AS end_it"
+    " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    "  AND xact_start IS NOT NULL AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)"
+    " UNION ALL"
+    " SELECT extract(epoch FROM clock_timestamp() - prepared), format('prepared transaction %L', gid),"
+    "  format('ROLLBACK PREPARED %L', gid)"
+    " FROM pg_prepared_xacts WHERE database = current_database()"
+    ") AS open ORDER BY seconds DESC LIMIT 1"
+)
 
 
 class PgVacuum:
@@ -54,22 +70,7 @@ class PgVacuum:
     keeps_old_versions = True
 
     def oldest_transaction(self, conn: Connection) -> OpenTransaction | None:
-        # Sessions with a snapshot or a transaction id hold the horizon back; so does a prepared transaction.
-        # Other roles' sessions show their times to a superuser or a member of pg_read_all_stats only.
-        row = conn.execute(text(
-            "SELECT * FROM ("
-            " SELECT extract(epoch FROM clock_timestamp() - xact_start) AS seconds,"
-            "  format('session %s (application %L, %s)', pid, application_name, state) AS session,"
-            "  format('SELECT pg_terminate_backend(%s)', pid) AS end_it"
-            " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"
-            "  AND xact_start IS NOT NULL AND (backend_xmin IS NOT NULL OR backend_xid IS NOT NULL)"
-            " UNION ALL"
-            " SELECT extract(epoch FROM clock_timestamp() - prepared), format('prepared transaction %L', gid),"
-            "  format('ROLLBACK PREPARED %L', gid)"
-            " FROM pg_prepared_xacts WHERE database = current_database()"
-            ") AS open ORDER BY seconds DESC LIMIT 1"
-        )).first()
-        return None if row is None else OpenTransaction(float(row.seconds), row.session, row.end_it)
+        return oldest_of(conn, _OLDEST)
 
     def bench_vacuum(self, conn: Connection) -> None:
         conn.execute(text(f"VACUUM {pg_name(self.jobs)}"))

@@ -1,0 +1,68 @@
+"""The bench's own processes: the worker processes it spawns, and how it stops.
+
+A stop (Ctrl-C, SIGTERM) unwinds the bench like an error, so its context managers stop
+the worker processes and remove the scratch (``stop_on_sigterm``). A bench killed with
+SIGKILL runs no clean-up: each worker process it spawned watches for it to be gone and
+stops itself (``watch_bench``), and the next bench drops the scratch no running bench
+holds (each driver's ``bench_scratch``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..worker.supervisor import watch_parent
+
+__all__ = ["spawned", "stop_on_sigterm", "watch_bench"]
+
+
+def stop_on_sigterm() -> None:
+    """A SIGTERM unwinds the bench as Ctrl-C does: its worker processes are stopped and its scratch schema
+    or file removed on the way out (``sqla-jobs`` then exits 130). A second one while that clean-up runs is
+    ignored, so that it finishes."""
+
+    def interrupt(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def watch_bench() -> None:
+    """Called first in each worker process the bench spawns: a bench killed with SIGKILL cannot stop its
+    workers, so each stops itself (as on SIGTERM) once the bench is gone."""
+    parent = mp.parent_process()
+    if parent is not None and parent.pid is not None:
+        threading.Thread(target=watch_parent, args=(parent.pid,), daemon=True, name="sqla-jobs-bench").start()
+
+
+@contextlib.contextmanager
+def spawned(processes: int, target: Any, arguments: Any) -> Iterator[list[Any]]:
+    """``processes`` spawned processes running ``target(*arguments(ready))``, each setting its ``ready`` event
+    once its worker is built; this yields once all are (or 60 s passed) and terminates them after."""
+    ctx = mp.get_context("spawn")
+    readies = [ctx.Event() for _ in range(processes)]
+    procs = [ctx.Process(target=_watching, args=(target, *arguments(r))) for r in readies]
+    for p in procs:
+        p.start()
+    try:
+        for r in readies:
+            r.wait(60)
+        time.sleep(0.5)  # let them reach their idle wait
+        yield procs
+    finally:
+        for p in procs:
+            p.terminate()  # SIGTERM: graceful, nothing is running by now
+        for p in procs:
+            p.join(30)
+
+
+def _watching(target: Any, *arguments: Any) -> None:
+    watch_bench()
+    target(*arguments)
