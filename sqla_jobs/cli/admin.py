@@ -25,6 +25,7 @@ from .._bootstrap import load_app, make_engine
 from .._durations import format_duration, parse_duration
 from .._neighbourhood import Neighbour, Neighbourhood, SequencePlace, neighbourhood, policy_text, sequence_place
 from .._stats import stats_tables
+from ..drivers._transactions import OpenTransaction
 from ..errors import ConfigError, ConnectionProblem, NotFound, SchemaError
 from .durable import print_steps, steps_json
 from .terminal import print_table
@@ -353,12 +354,7 @@ def cmd_health(args: argparse.Namespace) -> int:
     try:
         queue, engine = _open(args)
         stats = queue.stats(engine, run_times=False)
-        with engine.connect() as conn:
-            driver = queue.driver(conn)
-            if open_limit is not None and not driver.keeps_old_versions:
-                raise ConfigError(f"--max-transaction-age: {driver.label} keeps no old row versions for an open "
-                                  f"transaction to hold back; leave the option out for a {driver.label} database")
-            oldest = driver.oldest_transaction(conn) if open_limit is not None else None
+        oldest = None if open_limit is None else _oldest_transaction(queue, engine)
     except (ConnectionProblem, SchemaError) as exc:
         print(f"UNHEALTHY: {exc}")
         return 1
@@ -384,3 +380,12 @@ def cmd_health(args: argparse.Namespace) -> int:
     print(f"OK: oldest pending job waited {format_duration(age or 0.0)} (limit {format_duration(limit)}){opened}; "
           f"{summary}")
     return 0
+
+
+def _oldest_transaction(queue: JobQueue[Any, Any], engine: Engine) -> OpenTransaction | None:
+    with engine.connect() as conn:
+        driver = queue.driver(conn)
+        if not driver.keeps_old_versions:
+            raise ConfigError(f"--max-transaction-age: {driver.label} keeps no old row versions for an open "
+                              f"transaction to hold back; leave the option out for a {driver.label} database")
+        return driver.oldest_transaction(conn)
