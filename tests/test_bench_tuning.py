@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine, text
 
 from tests import forkserver
@@ -70,6 +71,9 @@ def test_cpu_split_drains_through_the_cli_at_each_setting(tmp_path: Path) -> Non
     assert all(float(r[3]) > 0 for r in rows), stdout
 
 
+# Serial: the script reads the WAL written between two points as the cluster's LSN moves, so any other test's
+# writes meanwhile count too (a parallel CI run once put the moved row above the kept one).
+@pytest.mark.serial
 def test_finish_cost_times_the_four_finishes_and_drops_its_schema(tmp_path: Path) -> None:
     """docs/bench/finish_cost.py: each finish ran over every job (the script checks the count), the row kept
     writes more WAL than the row moved, which writes more than the row deleted; only the table whose indexes

@@ -19,7 +19,8 @@ three ways, taking turns:
   (``claim_token IS NULL``): a finish that may be a HOT update, the best a redesign of the indexes could do.
   The share of its updates PostgreSQL made HOT is printed beside it.
 
-For each, the median microseconds per job and the WAL bytes per job (``pg_current_wal_lsn`` before and after).
+For each, the median microseconds per job and the WAL bytes per job (``pg_current_wal_lsn`` before and after: the
+cluster's, so run it on a server nothing else writes to meanwhile).
 The scratch schema is dropped afterwards. Prints a table, or JSON with ``--json``.
 """
 
