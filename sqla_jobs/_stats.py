@@ -56,7 +56,7 @@ from .drivers.base import Driver, percentile
 from .errors import ConfigError
 
 __all__ = ["COUNTED", "COUNTERS", "DeadLetters", "QueueLength", "QueueStats", "RunTime", "cached_stats", "collect",
-           "percentile", "stats_tables"]
+           "open_transaction_age", "percentile", "stats_tables"]
 
 log = logging.getLogger("sqla_jobs")
 
@@ -264,4 +264,26 @@ def cached_stats(gauges: Any) -> QueueStats | None:
             log.warning("metrics: could not read the stats: %s", str(exc).splitlines()[0])
             cached = None
         gauges._cached = (time.monotonic(), cached)
+        return cached  # type: ignore[no-any-return]
+
+
+def open_transaction_age(gauges: Any) -> float | None:
+    """Seconds the oldest transaction open in the database has been open (0.0: none), at most
+    ``gauges.stats_max_age`` seconds old, kept in ``gauges._open_cached``: the gauge beside ``cached_stats``'
+    ones. None where the backend keeps no old row versions for it to hold back (SQLite), or if the database
+    did not answer (``drivers/_transactions.py`` says why it matters)."""
+    assert gauges.engine is not None
+    with gauges._lock:
+        at, cached = gauges._open_cached
+        if time.monotonic() - at < gauges.stats_max_age:
+            return cached  # type: ignore[no-any-return]
+        try:
+            with gauges.engine.connect() as conn:
+                driver = gauges.queue.driver(conn)
+                found = driver.oldest_transaction(conn) if driver.keeps_old_versions else None
+                cached = None if not driver.keeps_old_versions else (found.seconds if found else 0.0)
+        except Exception as exc:
+            log.warning("metrics: could not read the oldest open transaction: %s", str(exc).splitlines()[0])
+            cached = None
+        gauges._open_cached = (time.monotonic(), cached)
         return cached  # type: ignore[no-any-return]

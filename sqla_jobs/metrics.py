@@ -26,6 +26,9 @@ What is exported (``kind`` and ``queue`` are labels):
 ``sqla_jobs_oldest_pending_age_seconds``    gauge      wait of the oldest due job, by queue (0: none)
 ``sqla_jobs_dead_jobs``                     gauge      jobs in the dead-letter table, by kind
 ``sqla_jobs_retrying_jobs``                 gauge      pending jobs that failed before, by kind
+``sqla_jobs_oldest_transaction_seconds``    gauge      the oldest transaction open in the database (0:
+                                                       none); PostgreSQL and MariaDB only: while one is
+                                                       open, old row versions stay and claims slow down
 ==========================================  =========  =============================================
 
 The counters and the histogram count what *this process* did (fed by the
@@ -46,7 +49,7 @@ from typing import Any
 from sqlalchemy import Engine
 
 from ._app import JobEvent, JobQueue
-from ._stats import COUNTED, COUNTERS, QueueLength, QueueStats, cached_stats
+from ._stats import COUNTED, COUNTERS, QueueLength, QueueStats, cached_stats, open_transaction_age
 from .errors import ConfigError
 
 try:
@@ -99,6 +102,7 @@ class QueueMetrics:
             queue.on(event)(self._on_event)
         self._lock = threading.Lock()
         self._cached: tuple[float, QueueStats | None] = (-1e9, None)
+        self._open_cached: tuple[float, float | None] = (-1e9, None)
         self._collectors: list[Collector] = []
         if engine is not None:
             self._collectors.append(_TableCollector(self, namespace))
@@ -175,3 +179,8 @@ class _TableCollector(Collector):
         yield age
         yield dead
         yield retrying
+        opened = open_transaction_age(self.metrics)
+        if opened is not None:
+            yield GaugeMetricFamily(f"{self.prefix}oldest_transaction_seconds",
+                                    "Seconds the oldest transaction open in the database has been open; 0: none.",
+                                    value=opened)

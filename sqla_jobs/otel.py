@@ -54,7 +54,7 @@ from sqlalchemy import Engine, event
 from sqlalchemy.orm.attributes import instance_dict
 
 from ._app import JobEvent, JobQueue
-from ._stats import COUNTED, COUNTERS, QueueLength, QueueStats, cached_stats
+from ._stats import COUNTED, COUNTERS, QueueLength, QueueStats, cached_stats, open_transaction_age
 from .errors import ConfigError
 
 try:
@@ -296,7 +296,8 @@ class QueueMeter:
     hooks (what this process did); with an ``engine``, the gauges ``sqla_jobs.queue.length`` (``queue``,
     ``state``: ready, scheduled, running, blocked), ``sqla_jobs.queue.oldest_pending_age`` (seconds, by
     queue), ``sqla_jobs.dead_jobs`` and ``sqla_jobs.retrying_jobs`` (by kind), read from ``queue.stats``
-    when the reader collects, at most once per ``stats_max_age`` seconds.
+    when the reader collects, at most once per ``stats_max_age`` seconds; and on PostgreSQL and MariaDB
+    ``sqla_jobs.db.oldest_transaction`` (seconds; 0: none), which SQLite does not report.
     """
 
     def __init__(self, queue: JobQueue[Any, Any], engine: Engine | None = None, *, meter_provider: Any = None,
@@ -313,6 +314,7 @@ class QueueMeter:
             queue.on(name)(self._on_event)
         self._lock = threading.Lock()
         self._cached: tuple[float, QueueStats | None] = (-1e9, None)
+        self._open_cached: tuple[float, float | None] = (-1e9, None)
         self._seen_queues: set[str] = {"default"}
         self._seen_dead: set[str] = set()
         self._seen_retrying: set[str] = set()
@@ -325,6 +327,9 @@ class QueueMeter:
                                           description="Jobs in the dead-letter table, by kind.")
             meter.create_observable_gauge("sqla_jobs.retrying_jobs", [self._retrying], unit="{job}",
                                           description="Pending jobs that failed at least once, by kind.")
+            meter.create_observable_gauge("sqla_jobs.db.oldest_transaction", [self._open], unit="s",
+                                          description="Seconds the oldest transaction open in the database has "
+                                                      "been open; 0: none (PostgreSQL, MariaDB).")
 
     def detach(self) -> None:
         """Stop counting this app's events (the instruments stay with the meter, reporting what they have)."""
@@ -369,3 +374,7 @@ class QueueMeter:
         self._seen_retrying.update(counts)
         return [Observation(counts.get(kind, 0), {"sqla_jobs.job.kind": kind})
                 for kind in sorted(self._seen_retrying)]
+
+    def _open(self, options: CallbackOptions) -> Iterable[Observation]:
+        seconds = open_transaction_age(self)
+        return [] if seconds is None else [Observation(seconds)]
