@@ -250,40 +250,39 @@ def _rate(per_minute: float) -> str:
 
 def cached_stats(gauges: Any) -> QueueStats | None:
     """``gauges.queue.stats(gauges.engine, run_times=False)``, at most ``gauges.stats_max_age`` seconds old, kept
-    in ``gauges._cached`` under ``gauges._lock`` (the Prometheus exporter's and the OpenTelemetry meter's
-    gauges); None if the database did not answer: a collection must not crash the worker, the gauges just go
-    missing."""
-    assert gauges.engine is not None
-    with gauges._lock:
-        at, cached = gauges._cached
-        if time.monotonic() - at < gauges.stats_max_age:
-            return cached  # type: ignore[no-any-return]
-        try:
-            cached = gauges.queue.stats(gauges.engine, run_times=False)
-        except Exception as exc:
-            log.warning("metrics: could not read the stats: %s", str(exc).splitlines()[0])
-            cached = None
-        gauges._cached = (time.monotonic(), cached)
-        return cached  # type: ignore[no-any-return]
+    in ``gauges._cached`` (the Prometheus exporter's and the OpenTelemetry meter's gauges); None if the database
+    did not answer: a collection must not crash the worker, the gauges just go missing."""
+    return _fresh(gauges, "_cached", "the stats", lambda: gauges.queue.stats(gauges.engine, run_times=False))
 
 
 def open_transaction_age(gauges: Any) -> float | None:
-    """Seconds the oldest transaction open in the database has been open (0.0: none), at most
-    ``gauges.stats_max_age`` seconds old, kept in ``gauges._open_cached``: the gauge beside ``cached_stats``'
-    ones. None where the backend keeps no old row versions for it to hold back (SQLite), or if the database
-    did not answer (``drivers/_transactions.py`` says why it matters)."""
+    """Seconds the oldest transaction open in the database has been open (0.0: none), kept as ``cached_stats``
+    keeps its figures, in ``gauges._open_cached``. None where the backend keeps no old row versions for it to
+    hold back (SQLite), or if the database did not answer (``drivers/_transactions.py`` says why it matters)."""
+
+    def read() -> float | None:
+        with gauges.engine.connect() as conn:
+            driver = gauges.queue.driver(conn)
+            if not driver.keeps_old_versions:
+                return None
+            found = driver.oldest_transaction(conn)
+            return found.seconds if found else 0.0
+
+    return _fresh(gauges, "_open_cached", "the oldest open transaction", read)  # type: ignore[no-any-return]
+
+
+def _fresh(gauges: Any, slot: str, what: str, read: Any) -> Any:
+    """What ``read()`` returns, at most ``gauges.stats_max_age`` seconds old, kept in ``gauges.<slot>`` under
+    ``gauges._lock``; None (and a warning) if it raised."""
     assert gauges.engine is not None
     with gauges._lock:
-        at, cached = gauges._open_cached
+        at, cached = getattr(gauges, slot)
         if time.monotonic() - at < gauges.stats_max_age:
-            return cached  # type: ignore[no-any-return]
+            return cached
         try:
-            with gauges.engine.connect() as conn:
-                driver = gauges.queue.driver(conn)
-                found = driver.oldest_transaction(conn) if driver.keeps_old_versions else None
-                cached = None if not driver.keeps_old_versions else (found.seconds if found else 0.0)
+            cached = read()
         except Exception as exc:
-            log.warning("metrics: could not read the oldest open transaction: %s", str(exc).splitlines()[0])
+            log.warning("metrics: could not read %s: %s", what, str(exc).splitlines()[0])
             cached = None
-        gauges._open_cached = (time.monotonic(), cached)
-        return cached  # type: ignore[no-any-return]
+        setattr(gauges, slot, (time.monotonic(), cached))
+        return cached
