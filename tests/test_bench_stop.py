@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
+from sqla_jobs.drivers._setup import SCRATCH_PREFIX
+from sqla_jobs.drivers.postgresql.bench import LOCK_SPACE
 from tests import forkserver
 from tests.conftest import ROOT, server_url
 from tests.test_cli import clean_env
@@ -65,7 +67,7 @@ def scratch_exists(backend: str, url: str, folder: Path, pid: int) -> bool:
         with engine.connect() as conn:
             query = ("SELECT count(*) FROM pg_namespace WHERE nspname = :name" if backend == "postgresql" else
                      "SELECT count(*) FROM information_schema.schemata WHERE schema_name = :name")
-            return bool(conn.execute(text(query), {"name": f"sqla_jobs_bench_{pid}"}).scalar_one())
+            return bool(conn.execute(text(query), {"name": f"{SCRATCH_PREFIX}{pid}"}).scalar_one())
     finally:
         engine.dispose()
 
@@ -77,8 +79,8 @@ def scratch_holder(url: str, pid: int) -> tuple[str, object]:
         with engine.connect() as conn:
             return tuple(conn.execute(text(
                 "SELECT a.state, a.backend_xmin FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid) "
-                "WHERE l.locktype = 'advisory' AND l.classid = 373700 AND l.objid = hashtext(:name)::oid"),
-                {"name": f"sqla_jobs_bench_{pid}"}).one())
+                "WHERE l.locktype = 'advisory' AND l.classid = :space AND l.objid = hashtext(:name)::oid"),
+                {"space": LOCK_SPACE, "name": f"{SCRATCH_PREFIX}{pid}"}).one())
     finally:
         engine.dispose()
 

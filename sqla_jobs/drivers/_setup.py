@@ -22,7 +22,10 @@ from sqlalchemy.types import TypeEngine
 
 from ..errors import ConfigError
 
-__all__ = ["DatabaseNow", "GeneratedColumn", "IndexDefinition", "Setup", "beside", "index_dialects"]
+__all__ = ["SCRATCH_PREFIX", "DatabaseNow", "GeneratedColumn", "IndexDefinition", "Setup", "beside", "index_dialects"]
+
+#: The bench's scratch schemas (PostgreSQL) and databases (MariaDB) are named this and the bench's process id.
+SCRATCH_PREFIX = "sqla_jobs_bench_"
 
 
 def beside(jobs: Table, suffix: str, metadata: MetaData | None) -> tuple[MetaData, str, Table | None]:

@@ -13,11 +13,9 @@ from sqlalchemy import Connection, Table, create_engine, text
 from sqlalchemy.engine import URL
 
 from ...errors import ConfigError
+from .._setup import SCRATCH_PREFIX
 
-__all__ = ["SCRATCH_PREFIX", "MySQLBench"]
-
-#: The bench's scratch databases are named this and the bench's process id.
-SCRATCH_PREFIX = "sqla_jobs_bench_"
+__all__ = ["MySQLBench"]
 
 
 def _drop_abandoned(conn: Connection) -> None:

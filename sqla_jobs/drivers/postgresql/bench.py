@@ -14,14 +14,12 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.engine import URL
 
 from ...errors import ConfigError
+from .._setup import SCRATCH_PREFIX
 from .notify import pg_name
 
-__all__ = ["SCRATCH_PREFIX", "PgBench"]
-
-#: The bench's scratch schemas are named this and the bench's process id.
-SCRATCH_PREFIX = "sqla_jobs_bench_"
+__all__ = ["LOCK_SPACE", "PgBench"]
 #: The first key of the advisory locks the benches hold on their scratch schemas (the second: the name's hash).
-_LOCK_SPACE = 0x5B3C4
+LOCK_SPACE = 0x5B3C4
 _KEY = "CAST(:space AS integer), hashtext(:schema)"
 
 
@@ -30,7 +28,7 @@ def _drop_abandoned(conn: Connection) -> None:
     names = conn.execute(text("SELECT nspname FROM pg_namespace WHERE starts_with(nspname, :prefix)"),
                          {"prefix": SCRATCH_PREFIX}).scalars().all()
     for name in names:
-        key = {"space": _LOCK_SPACE, "schema": name}
+        key = {"space": LOCK_SPACE, "schema": name}
         if conn.execute(text(f"SELECT pg_try_advisory_lock({_KEY})"), key).scalar_one():
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
             conn.execute(text(f"SELECT pg_advisory_unlock({_KEY})"), key)
@@ -54,7 +52,7 @@ class PgBench:
         admin = create_engine(url)
         # Autocommit: a session idle in a transaction would hold back PostgreSQL's vacuum horizon all along.
         holder = admin.connect().execution_options(isolation_level="AUTOCOMMIT")
-        key = {"space": _LOCK_SPACE, "schema": schema}
+        key = {"space": LOCK_SPACE, "schema": schema}
         try:
             if not holder.execute(text(f"SELECT pg_try_advisory_lock({_KEY})"), key).scalar_one():
                 raise ConfigError(f"scratch schema {schema} is in use by another bench (on another machine, "
