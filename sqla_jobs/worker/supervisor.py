@@ -67,6 +67,7 @@ class _Child:
             self.proc.stdin.write(pickle.dumps((spec, template, os.getpid())))
         self.name = template.replace("{pid}", str(self.proc.pid))
         self.handled = False  # its exit was dealt with
+        self.gone_before_stop = False  # it had exited on its own when the stop signal came
 
     def signal(self) -> None:
         if self.proc.poll() is None:
@@ -89,9 +90,18 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
         for child in children:
             child.signal()
 
+    def stop() -> None:
+        # A child that had already exited (a crash, say a poison job) when the signal came is handled as
+        # any crash is, by handing its jobs back: its status is not the stop's, though with the stop
+        # under way nothing replaces it. Polling here also reaps one that died since the last look.
+        for child in children:
+            if child.proc.poll() is not None:
+                child.gone_before_stop = True
+        forward()
+
     signals = stop_signals()
     if signals is not None:
-        signals.attach("supervisor", forward, on_again=forward)
+        signals.attach("supervisor", stop, on_again=stop)
     if stopping:
         return 0
 
@@ -105,7 +115,6 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
     for _ in range(processes):
         start()
     log.info("supervising %d worker processes: %s", len(children), ", ".join(str(c.proc.pid) for c in children))
-    unreplaced: set[int] = set()
 
     def look() -> None:
         """Deal with each child that exited: hand back its jobs, replace it unless we stop."""
@@ -125,7 +134,6 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
             log.warning("worker process %d exited with %s; starting another in 1 s", child.proc.pid, code)
             time.sleep(1.0)
             if stopping:  # a signal came during the pause: no replacement
-                unreplaced.add(i)  # its crash was handled like the others: not the stop's exit status
                 continue
             children[i] = _Child(spec, prefix)
 
@@ -133,8 +141,7 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
         time.sleep(0.2)
         look()
     look()  # the last ones may have exited after the last look
-    return max((_stop_status(c.proc.returncode, stopping) for i, c in enumerate(children) if i not in unreplaced),
-               default=0)
+    return max((_stop_status(c.proc.returncode, stopping) for c in children if not c.gone_before_stop), default=0)
 
 
 def _died(queue: JobQueue[Any, Any], engine: Engine, child: _Child) -> None:
