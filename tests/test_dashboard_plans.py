@@ -78,7 +78,7 @@ LISTS = [
     "/jobs?queue=mail&state=pending", "/jobs?kind=kind_1&state=pending", "/jobs?kind=kind_1&queue=mail&state=pending",
     "/jobs?state=finished&kind=kind_1&queue=mail",
     "/jobs?unique_key=order-7", "/jobs?unique_key=order-7&state=pending",
-    # A queue or a kind, without a state or in one, along ix_<jobs>_by_queue / _by_kind (the running jobs through
+    # A queue or a kind, without a state or in one, along ix_<jobs>_by_queue_kind (the running jobs through
     # their own index); before, a rare one (`reports`, `report`) walked the primary key past every ended job.
     "/jobs?queue=mail", "/jobs?kind=kind_1", "/jobs?queue=reports", "/jobs?kind=report",
     "/jobs?queue=reports&kind=report",

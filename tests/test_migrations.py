@@ -382,14 +382,14 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     source = revision.read_text()
     # Exactly the difference: nineteen columns (sequence_key and fair_key on both tables: sqla_jobs._sequence,
     # sqla_jobs._fair), the dependencies' table and its index, the batches' table and its three indexes, the durable
-    # jobs' steps table with its index and events table (sqla_jobs._durable), the sequences' table, nine new
-    # indexes (ix_app_tasks_sequence, ix_app_tasks_fair: the fair claim's, ix_app_tasks_by_queue and _by_kind: the
+    # jobs' steps table with its index and events table (sqla_jobs._durable), the sequences' table, eight new
+    # indexes (ix_app_tasks_sequence, ix_app_tasks_fair: the fair claim's, ix_app_tasks_by_queue_kind: the
     # dashboard's lists), the claim index rebuilt in its new
     # column order, and on PostgreSQL the NOTIFY trigger; nothing else.
     upgrade = source.split("def downgrade")[0]
     trigger = ["execute", "execute", "get_bind"] if empty_partial_db.backend == "postgresql" else []
     # get_bind: the unique_held column is stored on PostgreSQL only, decided when the revision runs
-    expected = sorted(["add_column"] * 19 + ["create_table"] * 5 + ["create_index"] * 15 + ["drop_index"] + ["get_bind"]
+    expected = sorted(["add_column"] * 19 + ["create_table"] * 5 + ["create_index"] * 14 + ["drop_index"] + ["get_bind"]
                       + trigger)
     assert sorted(re.findall(r"op\.(\w+)\(", upgrade)) == expected, source
     assert sorted(re.findall(r"op\.add_column\('(\w+)', sa\.Column\('(\w+)'", upgrade)) == [
@@ -414,8 +414,7 @@ def test_upgrade_from_an_older_schema(empty_partial_db: Database, tmp_path: Path
     assert "op.create_index('ix_app_tasks_cancelled'" in upgrade  # the dashboard's cancelled list (issue 31)
     assert "op.create_index('ix_app_tasks_blocked'" in upgrade  # stats' and the lists' blocked jobs (issue 33)
     assert "op.create_index('ix_app_tasks_fair'" in upgrade  # fair queues' claim (issue 35)
-    assert "op.create_index('ix_app_tasks_by_queue'" in upgrade  # the dashboard's lists by queue (issue 31)
-    assert "op.create_index('ix_app_tasks_by_kind'" in upgrade
+    assert "op.create_index('ix_app_tasks_by_queue_kind'" in upgrade  # the dashboard's lists by queue, kind (31)
     assert "add column app_tasks.errors" in out
 
     project.alembic("upgrade", "head")
@@ -707,3 +706,28 @@ def test_create_tables_on_a_0_1_database_leaves_the_new_columns_to_a_migration(d
     assert refused.returncode == 2, refused.stderr
     assert "lacks column(s) progress, result, unique_held, unique_key, unique_states" in refused.stderr
     assert "sqla-jobs migrations render" in refused.stderr
+
+
+def test_the_two_list_indexes_of_before_become_one(empty_db: Database, tmp_path: Path) -> None:
+    """The dashboard's lists by queue and by kind had an index each; one, ``(queue, kind, id)``, serves both now
+    (a write fewer per finish). A database made before gets a revision that builds it and drops the two."""
+    project = user_project(tmp_path, empty_db)
+    project.alembic("revision", "--autogenerate", "-m", "jobs")
+    project.alembic("upgrade", "head")
+    mariadb = empty_db.backend == "mariadb"
+    with empty_db.engine.begin() as conn:  # as the version before made them
+        conn.execute(text("DROP INDEX ix_app_tasks_by_queue_kind" + (" ON app_tasks" if mariadb else "")))
+        for column in ("queue", "kind"):
+            conn.execute(text(f"CREATE INDEX ix_app_tasks_by_{column} ON app_tasks (state, {column}, id)" if mariadb
+                              else f"CREATE INDEX ix_app_tasks_by_{column} ON app_tasks ({column}, id) "
+                                   "WHERE state <> 'running'"))
+    out = project.sqla_jobs("migrations", "render", "--app", "jobmodels:queue", "--url", empty_db.url).stdout
+    trigger = ["create trigger app_tasks_notify (PostgreSQL)"] if empty_db.backend == "postgresql" else []
+    assert sorted(line.strip() for line in out.splitlines() if line.startswith("  ")) == [
+        "create index ix_app_tasks_by_queue_kind", *trigger,
+        "drop index ix_app_tasks_by_kind", "drop index ix_app_tasks_by_queue",
+    ], out
+    project.alembic("upgrade", "head")
+    project.check_clean()
+    names = index_names(empty_db, "app_tasks")
+    assert "ix_app_tasks_by_queue_kind" in names and not names & {"ix_app_tasks_by_queue", "ix_app_tasks_by_kind"}

@@ -3,7 +3,7 @@ and the two indexes its lists by queue and by kind need (``list_indexes``).
 
 Portable Core over a driver's tables and clock, so every backend runs the same
 statements; nothing here branches on the database, only on whether it has partial indexes (the lists by queue
-and by kind: ``by_column``). Every value a visitor types
+and by kind: ``column_pages``). Every value a visitor types
 (state, kind, queue, a cursor) reaches the database as a bound parameter.
 """
 
@@ -48,29 +48,65 @@ NOT_RUNNING = "state <> 'running'"
 
 
 def list_indexes(name: str) -> list[Index]:
-    """``ix_<jobs>_by_queue`` and ``ix_<jobs>_by_kind``: a queue's, or a kind's, jobs newest first.
+    """``ix_<jobs>_by_queue_kind``: a queue's jobs, each kind's newest first; a kind's, likewise in each queue.
 
     A list of a queue or a kind that is rare among a million ended jobs walked the primary key to find a page.
-    Partial where it can be (PostgreSQL, SQLite): the running jobs are left out, so a claim (its new row version
-    running) adds no entry; an enqueue adds one to each, and so does a finish. The few running jobs are read
-    through their own index. MariaDB/MySQL's lead with ``state``, as its other indexes do: each state's newest
-    page is then one range (``by_column``); a range of them all would be sorted whole.
+    One index serves both lists (``column_pages``): every row version that enters it costs an entry, so a second
+    one, ``(kind, id)`` beside ``(queue, id)``, cost each finish and each enqueue a write (a drain of 30,000 jobs
+    ran 7 % slower with two; docs/performance.md). Partial where it can be (PostgreSQL, SQLite): the running jobs
+    are left out, so a claim (its new row version running) adds no entry. The few running jobs are read through
+    their own index. MariaDB/MySQL's leads with ``state``, as its other indexes do: each state's newest page is
+    then one range; a range of them all would be sorted whole.
     """
-    return [index for column in ("queue", "kind") for index in (
-        Index(f"ix_{name}_by_{column}", column, "id", **partial_where(NOT_RUNNING)).ddl_if(
+    return [
+        Index(f"ix_{name}_by_queue_kind", "queue", "kind", "id", **partial_where(NOT_RUNNING)).ddl_if(
             dialect=index_dialects_for(partial=True)),
-        Index(f"ix_{name}_by_{column}", "state", column, "id").ddl_if(dialect=index_dialects_for(partial=False)),
-    )]
+        Index(f"ix_{name}_by_queue_kind", "state", "queue", "kind", "id").ddl_if(
+            dialect=index_dialects_for(partial=False)),
+    ]
 
 
-def by_column(driver: Driver, newest: Callable[..., Select[Any]]) -> list[Select[Any]]:
-    """The newest pages that make a list of a queue's or a kind's jobs in any state, merged by the caller: along
-    ``list_indexes``, those but the running ones in one range where it is partial, and the running ones through
-    their own index; each state its own range where it leads with ``state`` (MariaDB/MySQL)."""
-    state = driver.jobs.c.state
-    if driver.partial_indexes:
-        return [newest(text(NOT_RUNNING)), driver.by_state(newest(state == "running"))]
-    return [driver.by_state(newest(state == name)) for name in (*LIVE, *ENDED)]
+def values_of(driver: Driver, conn: Connection, column: str, where: Sequence[ColumnElement[bool]]) -> list[Any]:
+    """The distinct values of ``column`` (``queue`` or ``kind``) among the rows ``where`` picks, read along
+    ``ix_<jobs>_by_queue_kind`` as a skip scan: one probe a value (the next one above the last), never the rows
+    between. Queues and kinds are few, their jobs many. Where the index leads with ``state`` (MariaDB/MySQL), one
+    probe a state: a range over several states is read whole, not probed."""
+    t = driver.jobs
+    col = t.c[column]
+    states = [text(NOT_RUNNING)] if driver.partial_indexes else [t.c.state == name for name in (*LIVE, *ENDED)]
+    found: list[Any] = []
+    while True:
+        above = [col > found[-1]] if found else []
+        probes = [select(col).where(*where, state, *above).order_by(col).limit(1).subquery() for state in states]
+        nexts = union_all(*(select(probe) for probe in probes)).subquery()
+        value = conn.execute(select(func.min(nexts.c[column]))).scalar()
+        if value is None:
+            return found
+        found.append(value)
+
+
+def column_pages(driver: Driver, conn: Connection, newest: Callable[..., Select[Any]], queue: str | None,
+                 kind: str | None, state: str | None) -> list[Select[Any]]:
+    """The newest pages that make a list of a queue's, a kind's or both's jobs in ``state`` (None: any but
+    running), merged by the caller: one range of ``ix_<jobs>_by_queue_kind`` for each (queue, kind) pair the
+    list covers (the other column's values read first: ``values_of``), and each state its own range where the
+    index leads with ``state`` (MariaDB/MySQL)."""
+    t = driver.jobs
+    states = [state] if state is not None else [name for name in (*LIVE, *ENDED) if name != "running"]
+    if queue is not None and kind is not None:
+        pairs = [(queue, kind)]
+    elif queue is not None:
+        pairs = [(queue, k) for k in values_of(driver, conn, "kind", [t.c.queue == queue])]
+    else:
+        pairs = [(q, kind) for q in values_of(driver, conn, "queue", [])]
+    pages = []
+    for q, k in pairs:
+        pair = (t.c.queue == q, t.c.kind == k)
+        if driver.partial_indexes:  # the index's WHERE repeated word for word: SQLite uses it only so
+            pages.append(newest(*pair, text(NOT_RUNNING), *([] if state is None else [t.c.state == state])))
+        else:
+            pages.extend(driver.by_state(newest(*pair, t.c.state == name)) for name in states)
+    return pages
 
 
 def job_page(
@@ -155,15 +191,15 @@ def job_page(
         both = union_all(select(same), select(lower)).subquery()
         return list(conn.execute(select(both).order_by(both.c.priority.desc(), both.c.run_at, both.c.id)
                                  .limit(limit)))
-    # A queue's or a kind's jobs, but the running ones, along ix_<jobs>_by_queue / _by_kind (list_indexes).
-    of_column = [text(NOT_RUNNING)] if kind is not None or queue is not None else []
-    if state is None and since is None and of_column:
-        return _merged(conn, by_column(driver, newest), limit)
-    if since is None or state not in (None, *ENDED):
+    if (kind is not None or queue is not None) and since is None and state != "running":
+        # A queue's or a kind's jobs along ix_<jobs>_by_queue_kind (list_indexes), the running ones (never in
+        # it) through their own index.
+        pages = column_pages(driver, conn, newest, queue, kind, state)
         if state is None:
-            return list(conn.execute(newest()))
-        # Not for the running jobs: they are not in those indexes, and `state <> 'running'` would leave none.
-        return list(conn.execute(newest(t.c.state == state, *(of_column if state != "running" else []))))
+            pages.append(driver.by_state(newest(t.c.state == "running")))
+        return _merged(conn, pages, limit) if pages else []
+    if since is None or state not in (None, *ENDED):
+        return list(conn.execute(newest() if state is None else newest(t.c.state == state)))
     ended = newest(t.c.state.in_(ENDED) if state is None else t.c.state == state,
                    t.c.finished_at >= driver.ago(since))
     if state is not None:
