@@ -1,5 +1,5 @@
 """The dashboard's statements (``sqla_jobs.web``): a keyset page of jobs, dead-job deletion by id, samples;
-and the two indexes its lists by queue and by kind need (``list_indexes``).
+and the index its lists by queue and by kind need (``list_indexes``).
 
 Portable Core over a driver's tables and clock, so every backend runs the same
 statements; nothing here branches on the database, only on whether it has partial indexes (the lists by queue
@@ -53,7 +53,7 @@ def list_indexes(name: str) -> list[Index]:
     A list of a queue or a kind that is rare among a million ended jobs walked the primary key to find a page.
     One index serves both lists (``column_pages``): every row version that enters it costs an entry, so a second
     one, ``(kind, id)`` beside ``(queue, id)``, cost each finish and each enqueue a write (a drain of 30,000 jobs
-    ran 7 % slower with two; docs/performance.md). Partial where it can be (PostgreSQL, SQLite): the running jobs
+    ran 1 to 6 % slower with two; docs/performance.md). Partial where it can be (PostgreSQL, SQLite): the running jobs
     are left out, so a claim (its new row version running) adds no entry. The few running jobs are read through
     their own index. MariaDB/MySQL's leads with ``state``, as its other indexes do: each state's newest page is
     then one range; a range of them all would be sorted whole.
@@ -144,10 +144,11 @@ def job_page(
       and blocked ones come beside them, each state's newest page by the path its statistics
       favour (no index has their creation time: one would cost every enqueue).
       Before, a window with few jobs (an idle queue) walked the whole table.
-    * ``kind`` or ``queue`` (without ``since``): newest first along ``ix_<jobs>_by_kind``
-      / ``_by_queue`` (``list_indexes``), which hold every job but the running ones,
-      beside the running ones through their own index. Before, a kind or queue rare among
-      a million ended jobs walked the primary key until a page was found.
+    * ``kind`` or ``queue`` (without ``since``): newest first along ``ix_<jobs>_by_queue_kind``
+      (``list_indexes``), which holds every job but the running ones: one range for each
+      (queue, kind) pair the list covers (``column_pages``), beside the running ones through
+      their own index. Before, a kind or queue rare among a million ended jobs walked the
+      primary key until a page was found.
 
     ``unique_key`` matches the key and its periods (``key@<period start>``), as ``jobs list`` does.
     """
