@@ -40,8 +40,13 @@ class PrivateMariaDB:
         self.data = self.dir / "data"
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
-        subprocess.run([INSTALL_DB, "--no-defaults", f"--datadir={self.data}", "--user=root", "--skip-test-db",
-                        "--auth-root-authentication-method=normal"],
+        # A folder of its own for temporary tables: a starting server deletes every `#sql*` file in its tmpdir as
+        # left over from its last run, and in the shared /tmp those are the machine's MariaDB's live temporary
+        # tables (a concurrent test then failed with "Error on delete of '/tmp/#sql-temptable-...'").
+        self.tmp = self.dir / "tmp"
+        self.tmp.mkdir()
+        subprocess.run([INSTALL_DB, "--no-defaults", f"--datadir={self.data}", f"--tmpdir={self.tmp}", "--user=root",
+                        "--skip-test-db", "--auth-root-authentication-method=normal"],
                        check=True, capture_output=True, timeout=120)
         self.start()
 
@@ -52,7 +57,8 @@ class PrivateMariaDB:
     def start(self) -> None:
         log = open(self.dir / "server.log", "ab")  # noqa: SIM115 - the server's for its lifetime
         self.process = subprocess.Popen(
-            [MARIADBD, "--no-defaults", f"--datadir={self.data}", f"--port={self.port}", "--bind-address=127.0.0.1",
+            [MARIADBD, "--no-defaults", f"--datadir={self.data}", f"--tmpdir={self.tmp}", f"--port={self.port}",
+             "--bind-address=127.0.0.1",
              f"--socket={self.dir / 'sock'}", "--user=root", f"--pid-file={self.dir / 'pid'}", "--skip-name-resolve",
              "--innodb-buffer-pool-size=64M", "--innodb-log-file-size=16M", "--innodb-flush-method=nosync",
              "--max-connections=200", "--skip-log-bin"],
