@@ -92,7 +92,6 @@ def column_pages(driver: Driver, conn: Connection, newest: Callable[..., Select[
     list covers (the other column's values read first: ``values_of``), and each state its own range where the
     index leads with ``state`` (MariaDB/MySQL)."""
     t = driver.jobs
-    states = [state] if state is not None else [name for name in (*LIVE, *ENDED) if name != "running"]
     if queue is not None and kind is not None:
         pairs = [(queue, kind)]
     elif queue is not None:
@@ -105,6 +104,7 @@ def column_pages(driver: Driver, conn: Connection, newest: Callable[..., Select[
         if driver.partial_indexes:  # the index's WHERE repeated word for word: SQLite uses it only so
             pages.append(newest(*pair, text(NOT_RUNNING), *([] if state is None else [t.c.state == state])))
         else:
+            states = [state] if state is not None else [name for name in (*LIVE, *ENDED) if name != "running"]
             pages.extend(driver.by_state(newest(*pair, t.c.state == name)) for name in states)
     return pages
 

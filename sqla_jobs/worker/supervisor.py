@@ -94,9 +94,11 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
         # A child that had already exited (a crash, say a poison job) when the signal came is handled as
         # any crash is, by handing its jobs back: its status is not the stop's, though with the stop
         # under way nothing replaces it. Polling here also reaps one that died since the last look.
-        for child in children:
-            if child.proc.poll() is not None:
-                child.gone_before_stop = True
+        # Only at the first signal: a child that failed during the graceful stop still fails it.
+        if not stopping:
+            for child in children:
+                if child.proc.poll() is not None:
+                    child.gone_before_stop = True
         forward()
 
     signals = stop_signals()
