@@ -53,7 +53,7 @@ def list_indexes(name: str) -> list[Index]:
     A list of a queue or a kind that is rare among a million ended jobs walked the primary key to find a page.
     One index serves both lists (``column_pages``): every row version that enters it costs an entry, so a second
     one, ``(kind, id)`` beside ``(queue, id)``, cost each finish and each enqueue a write (a drain of 30,000 jobs
-    ran 1 to 6 % slower with two; docs/performance.md). Partial where it can be (PostgreSQL, SQLite): the running jobs
+    ran up to 6 % slower with two; docs/performance.md). Partial where it can be (PostgreSQL, SQLite): the running jobs
     are left out, so a claim (its new row version running) adds no entry. The few running jobs are read through
     their own index. MariaDB/MySQL's leads with ``state``, as its other indexes do: each state's newest page is
     then one range; a range of them all would be sorted whole.
