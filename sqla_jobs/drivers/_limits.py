@@ -51,8 +51,8 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from sqlalchemy import Connection, Engine, Table, exists, func, insert, literal, select, update
-from sqlalchemy.exc import DBAPIError, IntegrityError
+from sqlalchemy import Connection, Engine, Table, exists, func, literal, select, update
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.sql.elements import ColumnElement
 
 from .base import Claimed, Driver
@@ -117,11 +117,11 @@ def _lock_row(driver: Driver, conn: Connection, table: Table, name: str) -> Any:
     stmt = select(table.c.tokens, elapsed).where(table.c.name == name).with_for_update()
     row = conn.execute(stmt).first()
     if row is None:
-        try:  # the first claim of the kind ever; of rivals doing the same, one inserts, the others wait below
-            with conn.begin_nested():
-                conn.execute(insert(table).values(name=name, tokens=None, updated_at=driver.now()))
-        except IntegrityError:
-            pass
+        # The first claim of the kind ever; of rivals doing the same, one inserts and the others wait for it.
+        # An upsert, not an INSERT whose duplicate-key error is caught: on InnoDB that error leaves the loser a
+        # shared lock on the winner's row, which the FOR UPDATE below must then upgrade behind the other
+        # claimers' requests for the row: a deadlock. ON DUPLICATE KEY UPDATE takes the exclusive lock at once.
+        driver.upsert(conn, table, {"name": name, "tokens": None, "updated_at": driver.now()})
         row = conn.execute(stmt).one()
     return row
 
@@ -198,9 +198,10 @@ def ensure_rows(driver: Driver, engine: Engine, table: Table, names: Sequence[st
     """Create the limits rows ``names`` if missing (the backend's own claim, ``Driver.finish_and_claim_capped``,
     locks them but does not create them).
 
-    Workers starting together race for the same missing rows: on MariaDB each one's ``SELECT … FOR UPDATE``
-    of the missing row takes a gap lock that the others' inserts wait on, and InnoDB ends that circle by
-    failing one of them with a deadlock. Nothing is wrong then; the transaction is run again.
+    Workers starting together race for the same missing rows, in the same (sorted) order, each creating a
+    missing one with an upsert (``_lock_row``): they wait for each other. Should the database still end one
+    of them as a deadlock or a lock wait timeout (a loaded InnoDB), nothing is wrong: the transaction is
+    run again.
     """
     for attempt in range(1, ENSURE_ATTEMPTS + 1):
         try:

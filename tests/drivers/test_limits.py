@@ -186,6 +186,23 @@ def test_concurrent_claimers_never_exceed_the_limit(backend: Backend) -> None:
         finish(backend, claimed)
 
 
+def test_claimers_racing_on_a_kind_whose_row_is_missing_never_deadlock(backend: Backend) -> None:
+    """The first claims of a kind ever make its limits row; 8 at once, for 12 fresh kinds: no error, one row
+    each, the limit held. (InnoDB ended one of them with a deadlock in CI: a loser of the INSERT held a shared
+    lock on the winner's row, then asked for the exclusive one behind the others' requests.)"""
+    for round_ in range(12):
+        kind = f"fresh{round_}"
+        backend.insert(4, kind=kind, run_at=PAST)
+        cap = KindLimit(kind, running=2)
+        if round_ == 0:
+            ensure_limits_table(backend.db.engine, limits_table(app.queue))  # the table, not the kind's row
+        claimed = [j for batch in _race(backend, cap, 8) for j in batch]
+        assert len(claimed) == 2, kind
+    with backend.db.engine.connect() as conn:
+        names = conn.scalars(select(limits_table(app.queue).c.name)).all()
+    assert sorted(names) == sorted(f"kind:fresh{r}" for r in range(12))
+
+
 def test_the_limits_row_is_made_once(backend: Backend) -> None:
     backend.insert(1, kind="capped", run_at=PAST)
     for _ in range(2):
