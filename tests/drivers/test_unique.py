@@ -120,3 +120,44 @@ def test_update_holder_changes_only_a_pending_holder(backend: Backend) -> None:
     assert in_write(backend, lambda c: d.update_holder(c, "k", json.dumps({"n": 5}), None)) is False
     assert backend.row(job_id).payload == {"n": 4}
     assert in_write(backend, lambda c: d.update_holder(c, "nobody", json.dumps({}), None)) is False
+
+
+
+def _debounce_at_once(backend: Backend, run_ats: list[Any]) -> list[Any]:
+    """One transaction per ``run_ats`` item, started together, each debouncing key ``hot`` to it: their outcomes."""
+    from sqla_jobs._unique import insert_or_update
+
+    start = threading.Barrier(len(run_ats))
+    outcomes: list[Any] = []
+
+    def debounce(n: int) -> None:
+        row = _row("hot", run_at=run_ats[n], payload=json.dumps({"n": n}))
+        start.wait()
+        try:
+            outcomes.append(in_write(backend, lambda c: insert_or_update(backend.driver, c, row, "debounce")))
+        except Exception as exc:  # reported by the caller
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=debounce, args=(n,)) for n in range(len(run_ats))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes
+
+
+def test_concurrent_debounces_of_a_held_key_never_deadlock(backend: Backend) -> None:
+    """8 transactions debounce one committed pending holder at once, 10 rounds: none fails (on InnoDB each
+    duplicate INSERT leaves a shared lock on the holder's entry before the update asks for the exclusive one;
+    they must queue, not deadlock), the holder ends with a payload one of them gave and the latest run_at.
+    The deadlock docs/howto/unique-jobs.md warns of needs a holder whose own transaction is still open."""
+    from datetime import datetime, timedelta, timezone
+
+    soon = datetime.now(timezone.utc) + timedelta(seconds=60)
+    holder = in_write(backend, lambda c: backend.driver.insert_unique(c, _row("hot", run_at=soon)))
+    for round_ in range(10):
+        run_ats = [soon + timedelta(seconds=round_ * 10 + n) for n in range(8)]
+        assert _debounce_at_once(backend, run_ats) == [(None, True)] * 8
+        row = backend.row(holder)
+        assert row.payload["n"] in range(8)
+        assert abs((row.run_at.replace(tzinfo=timezone.utc) - run_ats[-1]).total_seconds()) < 0.01
