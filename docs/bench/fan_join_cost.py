@@ -26,7 +26,6 @@ from types import SimpleNamespace
 
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.engine import URL, Engine, make_url
-from sqlalchemy.orm import Session
 
 from sqla_jobs.bench import graphs, run
 from sqla_jobs.bench.app import BenchJob
@@ -34,20 +33,15 @@ from sqla_jobs.bench.app import BenchJob
 GRAPHS = ("join", "no join", "plain")
 
 
-def fan(url: URL, engine: Engine, n: int, join: bool) -> tuple[float, float]:
-    """Jobs/s of a root, ``n`` dependents and a last job (the join, or one more dependent of the root); and the
-    seconds from the root's finish to the first claim of a dependent."""
-    with run.worker_processes(url, 64, 2, None) as procs:
-        with Session(engine, expire_on_commit=False) as session, session.begin():
-            root = BenchJob(kind="noop", payload={})
-            middle = [BenchJob(kind="noop", payload={"i": i}, depends_on=[root]) for i in range(n)]
-            last = BenchJob(kind="noop", payload={}, depends_on=middle if join else [root])
-            session.add_all([root, *middle, last])
-        graphs._wait(engine, lambda: graphs._finished(engine) == n + 2, procs, "the graph")
+def fan(args: SimpleNamespace, url: URL, engine: Engine, join: bool) -> tuple[float, float]:
+    """Jobs/s of the bench's fan-out, with its join or without (``graphs.fan_graph``); and the seconds from the
+    root's finish (the first job added) to the first claim of another job."""
+    rate = graphs.fan_graph(args, url, engine, "noop", join=join)  # type: ignore[arg-type]
     with engine.connect() as conn:
-        root_end = conn.execute(select(BenchJob.finished_at).where(BenchJob.id == root.id)).scalar_one()
-        first = conn.execute(select(func.min(BenchJob.locked_at)).where(BenchJob.id != root.id)).scalar_one()
-    return graphs._span_rate(engine, n + 2), (first - root_end).total_seconds()
+        root = conn.execute(select(func.min(BenchJob.id))).scalar_one()
+        root_end = conn.execute(select(BenchJob.finished_at).where(BenchJob.id == root)).scalar_one()
+        first = conn.execute(select(func.min(BenchJob.locked_at)).where(BenchJob.id != root)).scalar_one()
+    return rate, (first - root_end).total_seconds()
 
 
 def main() -> None:
@@ -56,7 +50,7 @@ def main() -> None:
     parser.add_argument("--fan-out", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    plain_args = SimpleNamespace(fan_out=args.fan_out, concurrency=64, processes=2, batch_size=None,
+    bench_args = SimpleNamespace(fan_out=args.fan_out, concurrency=64, processes=2, batch_size=None,
                                  use_async=False, vacuum_dead_rows=None)
     rates: dict[str, list[float]] = {g: [] for g in GRAPHS}
     releases: dict[str, list[float]] = {g: [] for g in GRAPHS[:2]}
@@ -66,9 +60,9 @@ def main() -> None:
             for name in GRAPHS[r % 3:] + GRAPHS[:r % 3]:
                 run._reset(engine)
                 if name == "plain":
-                    rates[name].append(graphs.plain_drain(plain_args, url, engine, "noop"))  # type: ignore[arg-type]
+                    rates[name].append(graphs.plain_drain(bench_args, url, engine, "noop"))  # type: ignore[arg-type]
                 else:
-                    rate, release = fan(url, engine, args.fan_out, join=name == "join")
+                    rate, release = fan(bench_args, url, engine, join=name == "join")
                     rates[name].append(rate)
                     releases[name].append(release)
             print(f"run {r + 1}: " + ", ".join(f"{g} {rates[g][-1]:,.0f} jobs/s" for g in GRAPHS), flush=True)

@@ -9,8 +9,9 @@ as the worker and ``JobQueue`` do, on a real database.
 from __future__ import annotations
 
 import json
+import threading
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -90,3 +91,24 @@ def in_write(backend: Backend, action: Any) -> Any:
     conn: Connection
     with backend.write() as conn:
         return action(conn)
+
+
+def at_once(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Each of ``calls`` in a thread of its own, all let go at the same instant: what each returned or raised,
+    in the order of ``calls`` (a race the database must settle, for the caller to judge)."""
+    start = threading.Barrier(len(calls))
+    outcomes: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        start.wait()
+        try:
+            outcomes[i] = calls[i]()
+        except Exception as exc:  # the caller's to judge
+            outcomes[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return outcomes

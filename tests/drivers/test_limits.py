@@ -16,7 +16,7 @@ from sqla_jobs._limits import KindLimit, ensure_limits_table, limits_table
 from sqla_jobs.drivers._limits import claim_limited, ensure_rows
 from sqla_jobs.drivers.base import Claimed
 from tests import app
-from tests.drivers.conftest import Backend, in_write
+from tests.drivers.conftest import Backend, at_once, in_write
 
 PAST = datetime(2020, 1, 1, tzinfo=timezone.utc)
 
@@ -151,24 +151,9 @@ def test_an_isolated_job_of_a_limited_kind_runs_alone(backend: Backend) -> None:
 
 def _race(backend: Backend, cap: KindLimit, claimers: int) -> list[list[Claimed]]:
     """``claimers`` threads claim at the same instant; each one's batch."""
-    barrier = threading.Barrier(claimers)
-    results: list[list[Claimed]] = []
-    errors: list[BaseException] = []
-
-    def claimer() -> None:
-        try:
-            barrier.wait()
-            results.append(limited(backend, [cap], free=2)[0])
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=claimer) for _ in range(claimers)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert not errors, errors
-    return results
+    outcomes = at_once([lambda: limited(backend, [cap], free=2)[0]] * claimers)
+    assert not [o for o in outcomes if isinstance(o, Exception)], outcomes
+    return outcomes
 
 
 def test_concurrent_claimers_never_exceed_the_limit(backend: Backend) -> None:
@@ -190,12 +175,11 @@ def test_claimers_racing_on_a_kind_whose_row_is_missing_never_deadlock(backend: 
     """The first claims of a kind ever make its limits row; 8 at once, for 12 fresh kinds: no error, one row
     each, the limit held. (InnoDB ended one of them with a deadlock in CI: a loser of the INSERT held a shared
     lock on the winner's row, then asked for the exclusive one behind the others' requests.)"""
+    ensure_limits_table(backend.db.engine, limits_table(app.queue))  # the table, not the kinds' rows
     for round_ in range(12):
         kind = f"fresh{round_}"
         backend.insert(4, kind=kind, run_at=PAST)
         cap = KindLimit(kind, running=2)
-        if round_ == 0:
-            ensure_limits_table(backend.db.engine, limits_table(app.queue))  # the table, not the kind's row
         claimed = [j for batch in _race(backend, cap, 8) for j in batch]
         assert len(claimed) == 2, kind
     with backend.db.engine.connect() as conn:
@@ -216,7 +200,7 @@ def test_the_limits_row_is_made_once(backend: Backend) -> None:
 
 def test_workers_starting_together_all_make_sure_of_the_rows(backend: Backend) -> None:
     """Eight workers start at once and each makes sure of the same missing rows: every one of them gets
-    through (on MariaDB some lose a deadlock on the missing rows' gap and run again), and each row is made once."""
+    through (should the database end one as a deadlock, it runs again), and each row is made once."""
     table = limits_table(app.queue)
     ensure_limits_table(backend.db.engine, table)
     names = ["kind:capped"]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-import threading
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.exc import IntegrityError
 
-from tests.drivers.conftest import Backend, in_write
+from sqla_jobs._unique import insert_or_update
+from tests.drivers.conftest import Backend, at_once, in_write
 
 
 def _row(key: str, states: tuple[str, ...] = ("pending", "running"), **fields: Any) -> dict[str, Any]:
@@ -68,19 +69,8 @@ def test_a_plain_insert_of_a_held_key_fails_with_an_integrity_error(backend: Bac
 
 def test_concurrent_inserts_of_one_key_leave_one_row(backend: Backend) -> None:
     d = backend.driver
-    start = threading.Barrier(6)
-    results: list[Any] = []
-
-    def insert() -> None:
-        start.wait()
-        results.append(in_write(backend, lambda c: d.insert_unique(c, _row("race"))))
-
-    threads = [threading.Thread(target=insert) for _ in range(6)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert sum(r is not None for r in results) == 1 and len(results) == 6
+    results = at_once([lambda: in_write(backend, lambda c: d.insert_unique(c, _row("race")))] * 6)
+    assert sum(r is not None for r in results) == 1 and not [r for r in results if isinstance(r, Exception)]
     with backend.db.engine.connect() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM jobs WHERE unique_key = 'race'")).scalar() == 1
 
@@ -100,8 +90,6 @@ def test_dead_letter_keeps_the_key_for_the_record(backend: Backend) -> None:
 
 
 def test_update_holder_changes_only_a_pending_holder(backend: Backend) -> None:
-    from datetime import datetime, timedelta, timezone
-
     d = backend.driver
     soon = datetime.now(timezone.utc) + timedelta(seconds=30)
     job_id = in_write(backend, lambda c: d.insert_unique(c, _row("k", run_at=soon)))
@@ -122,42 +110,20 @@ def test_update_holder_changes_only_a_pending_holder(backend: Backend) -> None:
     assert in_write(backend, lambda c: d.update_holder(c, "nobody", json.dumps({}), None)) is False
 
 
-
-def _debounce_at_once(backend: Backend, run_ats: list[Any]) -> list[Any]:
-    """One transaction per ``run_ats`` item, started together, each debouncing key ``hot`` to it: their outcomes."""
-    from sqla_jobs._unique import insert_or_update
-
-    start = threading.Barrier(len(run_ats))
-    outcomes: list[Any] = []
-
-    def debounce(n: int) -> None:
-        row = _row("hot", run_at=run_ats[n], payload=json.dumps({"n": n}))
-        start.wait()
-        try:
-            outcomes.append(in_write(backend, lambda c: insert_or_update(backend.driver, c, row, "debounce")))
-        except Exception as exc:  # reported by the caller
-            outcomes.append(exc)
-
-    threads = [threading.Thread(target=debounce, args=(n,)) for n in range(len(run_ats))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return outcomes
-
-
 def test_concurrent_debounces_of_a_held_key_never_deadlock(backend: Backend) -> None:
     """8 transactions debounce one committed pending holder at once, 10 rounds: none fails (on InnoDB each
     duplicate INSERT leaves a shared lock on the holder's entry before the update asks for the exclusive one;
     they must queue, not deadlock), the holder ends with a payload one of them gave and the latest run_at.
-    The deadlock docs/howto/unique-jobs.md warns of needs a holder whose own transaction is still open."""
-    from datetime import datetime, timedelta, timezone
-
+    docs/howto/unique-jobs.md also warns of a holder whose own transaction is still open: not reproduced here."""
+    d = backend.driver
     soon = datetime.now(timezone.utc) + timedelta(seconds=60)
-    holder = in_write(backend, lambda c: backend.driver.insert_unique(c, _row("hot", run_at=soon)))
+    holder = in_write(backend, lambda c: d.insert_unique(c, _row("hot", run_at=soon)))
     for round_ in range(10):
-        run_ats = [soon + timedelta(seconds=round_ * 10 + n) for n in range(8)]
-        assert _debounce_at_once(backend, run_ats) == [(None, True)] * 8
+        rows = [_row("hot", run_at=soon + timedelta(seconds=round_ * 10 + n), payload=json.dumps({"n": n}))
+                for n in range(8)]
+        debounces = [lambda row=row: in_write(backend, lambda c: insert_or_update(d, c, row, "debounce"))
+                     for row in rows]
+        assert at_once(debounces) == [(None, True)] * 8
         row = backend.row(holder)
         assert row.payload["n"] in range(8)
-        assert abs((row.run_at.replace(tzinfo=timezone.utc) - run_ats[-1]).total_seconds()) < 0.01
+        assert abs((row.run_at.replace(tzinfo=timezone.utc) - rows[-1]["run_at"]).total_seconds()) < 0.01
