@@ -8,6 +8,7 @@ exactly what ran, how often, and where. The database is ``SQLA_JOBS_URL``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
 import threading
@@ -92,6 +93,13 @@ async def arecord(event: str) -> None:
 @queue.handler("noop")
 def noop(payload: dict[str, Any]) -> None:
     pass
+
+
+@queue.handler("heap")
+def heap(payload: dict[str, Any]) -> dict[str, bool]:
+    """Whether the garbage collector still scans this app's objects (its queue among them): those the worker
+    process froze after start-up are in none of the generations ``gc.get_objects()`` lists."""
+    return {"queue_scanned": any(obj is queue for obj in gc.get_objects())}
 
 
 @queue.handler("record")

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sqla_jobs import JobQueue
 from tests import app, forkserver
-from tests.conftest import ROOT, Database
+from tests.conftest import ROOT, Database, run_cli
+from tests.helpers import enqueue, job
 
 JOBS = 3000
 
@@ -45,3 +47,17 @@ def test_every_job_runs_once_at_full_speed(db: Database) -> None:
         assert session.scalar(select(func.count(func.distinct(app.Effect.job_id)))) == JOBS
         workers = session.scalar(select(func.count(func.distinct(app.Job.locked_by))))
         assert workers is not None and workers >= 2, "the processes did not share the work"
+
+
+@pytest.mark.parametrize("options", [[], ["--processes", "2"], ["--async"]], ids=["one", "supervised", "async"])
+def test_a_worker_process_leaves_its_start_up_heap_out_of_the_collectors_rounds(
+        db: Database, options: list[str]) -> None:
+    """``sqla-jobs worker`` freezes what start-up built (``freeze_startup_heap``): the collector's rounds over it
+    were a quarter of a worker's CPU on short jobs (docs/performance.md). A handler in the worker process itself
+    asks whether the collector still sees the app's queue object."""
+    asked = enqueue(db.engine, "heap")
+    result = run_cli("worker", "--burst", "--app", "tests.app:queue", *options, env=db.env())
+    assert result.returncode == 0, result.stderr
+    row = job(db.engine, asked)
+    assert row is not None and row.state == "finished", result.stderr
+    assert row.result == {"queue_scanned": False}

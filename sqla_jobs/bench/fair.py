@@ -39,6 +39,7 @@ from sqlalchemy.orm import Session
 
 from .._app import JobQueue
 from ..worker.config import WorkerConfig
+from ..worker.process import freeze_startup_heap
 from ..worker.worker import Worker
 from .app import BenchDeadJob, BenchJob, queue
 from .processes import spawned
@@ -60,6 +61,7 @@ def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int | None,
     engine = create_engine(url, pool_size=config.pool_size)
     poll = 0.5 if queue.driver(engine).supports_listen else 0.02
     worker = Worker._from_config(engine, fair_queue if fair else queue, dataclasses.replace(config, poll_interval=poll))
+    freeze_startup_heap()  # as `sqla-jobs worker` does
     ready.set()
     worker.run()
 

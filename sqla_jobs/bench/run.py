@@ -56,6 +56,7 @@ from .._bootstrap import database_url, make_async_engine, make_engine, missing_d
 from ..drivers import driver_class
 from ..worker.async_worker import AsyncWorker
 from ..worker.config import WorkerConfig
+from ..worker.process import freeze_startup_heap
 from ..worker.worker import Worker
 from .app import BenchDeadJob, BenchJob, BenchOrder, PlainJob, picked_event, picked_up, queue
 from .enqueue import (
@@ -146,12 +147,14 @@ def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int | None,
 
         async def main() -> None:
             async_engine = await make_async_engine(url, pool_size=config.pool_size)
+            freeze_startup_heap()  # as `sqla-jobs worker` does
             ready.set()
             await AsyncWorker._from_config(async_engine, queue, config).run(install_signals=True)
 
         asyncio.run(main())
         return
     worker = Worker._from_config(engine, queue, config)
+    freeze_startup_heap()  # as `sqla-jobs worker` does
     ready.set()
     worker.run()
 

@@ -50,6 +50,7 @@ from .._bootstrap import database_url, make_engine, missing_database
 from .._durations import parse_duration
 from ..errors import ConfigError
 from ..worker.config import WorkerConfig
+from ..worker.process import freeze_startup_heap
 from ..worker.worker import Worker
 from .processes import watch_bench
 from .run import BenchDeadJob, BenchJob, _reset, queue, scratch
@@ -154,6 +155,7 @@ def _worker_main(url: str, concurrency: int, batch_size: int | None, faults: boo
 
     shipper = threading.Thread(target=ship, daemon=True)
     shipper.start()
+    freeze_startup_heap()  # as `sqla-jobs worker` does
     ready.set()
     try:
         worker.run()  # SIGTERM: a graceful stop

@@ -7,13 +7,13 @@ broker clients (extras ``rabbitmq`` and ``nats``) load only when the command run
 from __future__ import annotations
 
 import argparse
-import gc
 import os
 from collections.abc import Callable
 from typing import Any
 
 from .._bootstrap import load_app, make_engine
 from ..errors import ConfigError
+from ..worker.process import freeze_startup_heap
 from ..worker.signals import stop_signals
 
 __all__ = ["add_relay_parser"]
@@ -101,11 +101,7 @@ def cmd_relay(args: argparse.Namespace) -> int:
                   confirm_timeout=args.confirm_timeout, name=args.name, listen=not args.no_listen)
     if signals is not None:  # a second signal exits at once; the jobs in flight go out again after their lease
         signals.attach(f"relay {relay.name}", relay.stop)
-    # The relay allocates objects for every message, and each full collection of the garbage collector
-    # also scanned the whole start-up heap (SQLAlchemy, the app, its models: some 90,000 objects): a sixth
-    # of a relay's time to NATS. Frozen, the collector looks only at what the relay itself allocates.
-    gc.collect()
-    gc.freeze()
+    freeze_startup_heap()  # the collector's rounds over the start-up heap were a sixth of a relay's time to NATS
     try:
         counts = relay.run(until_idle=args.until_idle)
     finally:

@@ -10,6 +10,7 @@ asked and runs the ``Worker``.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import sys
@@ -25,7 +26,7 @@ from .async_worker import AsyncWorker
 from .config import WorkerConfig
 from .worker import Worker
 
-__all__ = ["WorkerProcess", "run_worker_process"]
+__all__ = ["WorkerProcess", "freeze_startup_heap", "run_worker_process"]
 
 log = logging.getLogger("sqla_jobs.worker")
 
@@ -70,6 +71,19 @@ class _ForgivingStdout:
         return getattr(self._stream, name)
 
 
+def freeze_startup_heap() -> None:
+    """Leave what start-up built (SQLAlchemy, the app, its models, the engine: some 90,000 objects) out of the
+    garbage collector's rounds, in a process that is about to run jobs until it stops.
+
+    A worker allocates a few objects per job, so the collector runs often, and each of its fuller rounds walked
+    the whole start-up heap again: a quarter of a worker's CPU on a drain of no-op jobs (docs/performance.md).
+    Frozen (``gc.freeze``), those objects are never scanned; the collector looks only at what the running
+    process allocates. Called only where sqla-jobs owns the process (``sqla-jobs worker``, ``relay``, the bench's
+    workers), never by ``Worker.run``: in someone else's process the choice is theirs."""
+    gc.collect()  # what is already garbage goes now, not into the frozen heap for good
+    gc.freeze()
+
+
 def run_worker_process(spec: WorkerProcess, engine: Engine | None = None) -> int:
     """Run one worker until it stops; its exit status."""
     queue = load_worker_app(spec.app)
@@ -81,6 +95,7 @@ def run_worker_process(spec: WorkerProcess, engine: Engine | None = None) -> int
         engine = make_engine(spec.url, pool_size=spec.config.pool_size)
     worker = Worker._from_config(engine, queue, spec.config)
     _serve_metrics(spec, queue, engine)
+    freeze_startup_heap()
     return worker.run(burst=spec.burst)
 
 
@@ -90,6 +105,7 @@ async def _run_async(spec: WorkerProcess, queue: JobQueue[Any, Any]) -> int:
     try:
         if spec.metrics_port is not None:  # the metrics server's thread reads through a sync engine
             _serve_metrics(spec, queue, make_engine(sync_twin(spec.url)))
+        freeze_startup_heap()
         return await AsyncWorker._from_config(engine, queue, spec.config).run(burst=spec.burst, install_signals=True)
     finally:
         await engine.dispose()
