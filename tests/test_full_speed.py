@@ -53,7 +53,7 @@ def test_every_job_runs_once_at_full_speed(db: Database) -> None:
 def test_a_worker_process_leaves_its_start_up_heap_out_of_the_collectors_rounds(
         db: Database, options: list[str]) -> None:
     """``sqla-jobs worker`` freezes what start-up built (``freeze_startup_heap``): the collector's rounds over it
-    were a quarter of a worker's CPU on short jobs (docs/performance.md). A handler in the worker process itself
+    were about a fifth of a worker's CPU on short jobs (docs/performance.md). A handler in the worker process itself
     asks whether the collector still sees the app's queue object."""
     asked = enqueue(db.engine, "heap")
     result = run_cli("worker", "--burst", "--app", "tests.app:queue", *options, env=db.env())

@@ -72,11 +72,11 @@ class _ForgivingStdout:
 
 
 def freeze_startup_heap() -> None:
-    """Leave what start-up built (SQLAlchemy, the app, its models, the engine: some 90,000 objects) out of the
+    """Leave what start-up built (SQLAlchemy, the app, its models, the engine: some 80,000 objects) out of the
     garbage collector's rounds, in a process that is about to run jobs until it stops.
 
     A worker allocates a few objects per job, so the collector runs often, and each of its fuller rounds walked
-    the whole start-up heap again: a quarter of a worker's CPU on a drain of no-op jobs (docs/performance.md).
+    the whole start-up heap again: about a fifth of a worker's CPU on a drain of no-op jobs (docs/performance.md).
     Frozen (``gc.freeze``), those objects are never scanned; the collector looks only at what the running
     process allocates. Called only where sqla-jobs owns the process (``sqla-jobs worker``, ``relay``, the bench's
     workers), never by ``Worker.run``: in someone else's process the choice is theirs."""
