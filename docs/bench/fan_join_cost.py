@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from types import SimpleNamespace
 
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.engine import URL, Engine, make_url
@@ -33,10 +32,10 @@ from sqla_jobs.bench.app import BenchJob
 GRAPHS = ("join", "no join", "plain")
 
 
-def fan(args: SimpleNamespace, url: URL, engine: Engine, join: bool) -> tuple[float, float]:
+def fan(args: argparse.Namespace, url: URL, engine: Engine, join: bool) -> tuple[float, float]:
     """Jobs/s of the bench's fan-out, with its join or without (``graphs.fan_graph``); and the seconds from the
     root's finish (the first job added) to the first claim of another job."""
-    rate = graphs.fan_graph(args, url, engine, "noop", join=join)  # type: ignore[arg-type]
+    rate = graphs.fan_graph(args, url, engine, "noop", join=join)
     with engine.connect() as conn:
         root = conn.execute(select(func.min(BenchJob.id))).scalar_one()
         root_end = conn.execute(select(BenchJob.finished_at).where(BenchJob.id == root)).scalar_one()
@@ -50,7 +49,7 @@ def main() -> None:
     parser.add_argument("--fan-out", type=int, default=100_000)
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
-    bench_args = SimpleNamespace(fan_out=args.fan_out, concurrency=64, processes=2, batch_size=None,
+    bench_args = argparse.Namespace(fan_out=args.fan_out, concurrency=64, processes=2, batch_size=None,
                                  use_async=False, vacuum_dead_rows=None)
     rates: dict[str, list[float]] = {g: [] for g in GRAPHS}
     releases: dict[str, list[float]] = {g: [] for g in GRAPHS[:2]}
@@ -60,7 +59,7 @@ def main() -> None:
             for name in GRAPHS[r % 3:] + GRAPHS[:r % 3]:
                 run._reset(engine)
                 if name == "plain":
-                    rates[name].append(graphs.plain_drain(bench_args, url, engine, "noop"))  # type: ignore[arg-type]
+                    rates[name].append(graphs.plain_drain(bench_args, url, engine, "noop"))
                 else:
                     rate, release = fan(bench_args, url, engine, join=name == "join")
                     rates[name].append(rate)

@@ -147,9 +147,10 @@ def fan_graph(args: argparse.Namespace, url: Any, engine: Engine, kind: str, joi
             middle = [BenchJob(kind=kind, payload={"i": i}, depends_on=[root]) for i in range(n)]
             last = BenchJob(kind=kind, payload={}, depends_on=middle if join else [root])
             session.add_all([root, *middle, last])
-        # The join finishes last; without it, every job must be counted.
-        _wait(engine, (lambda: _state(engine, last.id) == "finished") if join else (lambda: _finished(engine) == n + 2),
-              procs, "the graph")
+        # The join finishes last. Without it, the graph is done when no job is pending or running: the root's
+        # finish releases every dependent in its own transaction, so none is left blocked behind a finished one.
+        done = (lambda: _state(engine, last.id) == "finished") if join else (lambda: not _any_unfinished(engine))
+        _wait(engine, done, procs, "the graph")
     return _span_rate(engine, n + 2)
 
 
