@@ -69,6 +69,13 @@ _DISTINCT = "_sqla_jobs_upstreams"  # each upstream once, as the flush counted t
 _SET_AT = "_sqla_jobs_set_at"
 _SETS = itertools.count()
 _INFO_KEY = "sqla_jobs_graph"
+_PAGE_KEY = "sqla_jobs_graph_page"
+#: Rows per INSERT statement while a flush writes new dependents (SQLAlchemy's own default is 1,000). Each
+#: dependent carries three more values than a plain job (its state, its count, whether others wait for it);
+#: at 1,000 rows a statement, the driver's parsing of 5,000 placeholders and the garbage collector's rounds
+#: over that parse's temporaries made a 10,000-job chain's flush 1.42x a plain one's, at 100 rows 1.19x
+#: (``sqla-jobs bench --graphs enqueue``, docs/performance.md). Plain jobs' flushes keep the engine's setting.
+DEPENDENTS_PAGE = 100
 
 
 def register_tables(jobs: Table, dead: Table) -> None:
@@ -164,11 +171,18 @@ def _before_flush(session: Session, flush_context: UOWTransaction, instances: An
     for jobs, members in by_table.items():
         _prepare(conn, jobs, members)
     flush_context.attributes[_INFO_KEY] = mine
+    page = conn.get_execution_options().get("insertmanyvalues_page_size", conn.dialect.insertmanyvalues_page_size)
+    if page > DEPENDENTS_PAGE:
+        # Set on the session's connection for this flush, put back by _after_flush. A flush that fails skips
+        # that: a session's own connection is closed with its transaction, but a connection you gave the
+        # session keeps the shorter pages (a speed setting only) until you set its option again.
+        conn.execution_options(insertmanyvalues_page_size=DEPENDENTS_PAGE)
+        flush_context.attributes[_PAGE_KEY] = page
 
 
 def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
     existing: set[int] = set()
-    distinct: dict[int, list[Any]] = {}
+    distinct: dict[int, Sequence[Any]] = {}
     for job in dependents:
         # A new job's fields are read from its dict, where one never set is absent (None): the attribute
         # would go through SQLAlchemy's loader machinery, microseconds a read (a sixth of a chain's hooks).
@@ -221,8 +235,10 @@ def _prepare(conn: Connection, jobs: Table, dependents: list[Any]) -> None:
             values["state"], values["waiting_for"] = "blocked", waiting
 
 
-def _distinct(upstreams: Iterable[Any]) -> list[Any]:
+def _distinct(upstreams: Sequence[Any]) -> Sequence[Any]:
     """Each upstream once, in first-given order: a job and its id, or a job given twice, are one dependency."""
+    if len(upstreams) == 1:  # a chain's link: the tuple as given (no set, key or list for each of 10,000)
+        return upstreams
     seen: set[Any] = set()
     kept = []
     for upstream in upstreams:
@@ -285,6 +301,9 @@ def _after_flush(session: Session, flush_context: UOWTransaction) -> None:
     if not mine:
         return
     conn = session.connection()
+    page = flush_context.attributes.get(_PAGE_KEY)
+    if page is not None:
+        conn.execution_options(insertmanyvalues_page_size=page)
     by_table: dict[Table, list[tuple[int, int, int]]] = {}
     for job in mine:
         rows = by_table.setdefault(type(job).__table__, [])

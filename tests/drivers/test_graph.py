@@ -15,6 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from sqla_jobs import InvalidJob
+from sqla_jobs._graph import DEPENDENTS_PAGE
 from sqla_jobs.drivers.base import Claimed
 from tests import app
 from tests.drivers.conftest import Backend, in_write
@@ -433,6 +434,42 @@ def test_a_long_chain_of_new_jobs_is_one_flush(backend: Backend) -> None:
         counts = dict(conn.execute(select(t.c.state, func.count()).group_by(t.c.state)).all())
     assert counts == {"pending": 1, "blocked": 2999}
     assert backend.scalar(select(func.max(t.c.waiting_for)).scalar_subquery()) == 1
+
+
+def test_new_dependents_are_inserted_in_short_pages_and_the_connection_keeps_its_own_setting(
+        backend: Backend) -> None:
+    """A flush that writes new dependents inserts them ``DEPENDENTS_PAGE`` rows a statement (their extra values
+    made 1,000-row statements a third of a chain's flush), and the connection the session was given gets its
+    own page size back; a later flush of plain jobs uses it."""
+    from sqlalchemy import event
+
+    statements: list[int] = []
+
+    def count(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
+        if statement.startswith("INSERT INTO jobs ") and context.compiled is not None:
+            statements.append(1)
+
+    with backend.db.engine.connect() as conn:
+        conn.execution_options(insertmanyvalues_page_size=500)
+        event.listen(conn, "before_cursor_execute", count)
+        links = [job()]
+        for _ in range(2 * DEPENDENTS_PAGE + 49):
+            links.append(job(depends_on=[links[-1]]))
+        with Session(conn, join_transaction_mode="create_savepoint") as session:
+            session.add_all(links)
+            session.flush()
+            chained = len(statements)
+            assert conn.get_execution_options()["insertmanyvalues_page_size"] == 500
+            statements.clear()
+            session.add_all([job() for _ in range(2 * DEPENDENTS_PAGE + 50)])
+            session.flush()
+        conn.rollback()
+    if len(statements) == 1:  # the plain jobs in one statement of up to 500 rows: this backend batches
+        # The first link has no upstream and the last no dependent (each its own columns, so its own
+        # statement); the 248 between take three pages.
+        assert chained == 5
+    else:  # SQLite's flush inserts a row a statement, with or without pages
+        assert chained == len(statements) == len(links)
 
 
 def test_an_upstream_of_another_jobs_table_is_refused(backend: Backend) -> None:
