@@ -73,8 +73,8 @@ _PAGE_KEY = "sqla_jobs_graph_page"
 #: Rows per INSERT statement while a flush writes new dependents (SQLAlchemy's own default is 1,000). Each
 #: dependent carries three more values than a plain job (its state, its count, whether others wait for it);
 #: at 1,000 rows a statement, the driver's parsing of 5,000 placeholders and the garbage collector's rounds
-#: over that parse's temporaries made a 10,000-job chain's enqueue 1.43x a plain one's, at 100 rows 1.28x
-#: (medians of eight ``sqla-jobs bench --graphs enqueue``, docs/performance.md). Plain jobs' flushes keep the
+#: over that parse's temporaries made a 10,000-job chain's enqueue 1.47x a plain one's, at 100 rows 1.29x
+#: (medians of eight ``sqla-jobs bench --graphs enqueue`` each way, docs/performance.md). Plain jobs' flushes keep the
 #: engine's setting.
 DEPENDENTS_PAGE = 100
 

@@ -439,7 +439,7 @@ def test_a_long_chain_of_new_jobs_is_one_flush(backend: Backend) -> None:
 def test_new_dependents_are_inserted_in_short_pages_and_the_connection_keeps_its_own_setting(
         backend: Backend) -> None:
     """A flush that writes new dependents inserts them ``DEPENDENTS_PAGE`` rows a statement (with their three
-    extra values, 1,000-row statements made a chain's enqueue 1.43 times a plain one's), and the connection
+    extra values, 1,000-row statements made a chain's enqueue 1.47 times a plain one's), and the connection
     the session was given gets its own page size back; a later flush of plain jobs uses it."""
     from sqlalchemy import event
 
