@@ -83,12 +83,18 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
     queue.driver(engine).harden(engine, f"{prefix} supervisor")
     stopping = False
     children: list[_Child] = []
+    # The stop runs on the signals' own thread (``signals.py``) while this one may be starting a child: a
+    # child is listed and told of a stop under this lock, so each stop reaches it exactly once (a second
+    # SIGTERM would make it exit at once, not gracefully). Without it a replacement started during the
+    # stop was never told, and the supervisor waited for it forever (a CI run, under load).
+    told = threading.Lock()
 
     def forward() -> None:
         nonlocal stopping
-        stopping = True
-        for child in children:
-            child.signal()
+        with told:
+            stopping = True
+            for child in children:
+                child.signal()
 
     def stop() -> None:
         # A child that had already exited (a crash, say a poison job) when the signal came is handled as
@@ -107,12 +113,15 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
     if stopping:
         return 0
 
-    def start() -> _Child:
+    def start(replacing: int | None = None) -> None:
         child = _Child(spec, prefix)
-        children.append(child)
-        if stopping:  # a signal came while it was being started
-            child.signal()
-        return child
+        with told:
+            if replacing is None:
+                children.append(child)
+            else:
+                children[replacing] = child
+            if stopping:  # a stop came while it was being started, and did not find it in the list
+                child.signal()
 
     for _ in range(processes):
         start()
@@ -137,7 +146,7 @@ def supervise(spec: WorkerProcess, processes: int, queue: JobQueue[Any, Any], en
             time.sleep(1.0)
             if stopping:  # a signal came during the pause: no replacement
                 continue
-            children[i] = _Child(spec, prefix)
+            start(replacing=i)
 
     while any(c.proc.poll() is None for c in children) or not (stopping or spec.burst):
         time.sleep(0.2)
