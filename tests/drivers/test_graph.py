@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 from sqlalchemy.orm import Session
 
 from sqla_jobs import InvalidJob
@@ -441,13 +441,11 @@ def test_new_dependents_are_inserted_in_short_pages_and_the_connection_keeps_its
     """A flush that writes new dependents inserts them ``DEPENDENTS_PAGE`` rows a statement (with their three
     extra values, 1,000-row statements made a chain's enqueue 1.47 times a plain one's), and the connection
     the session was given gets its own page size back; a later flush of plain jobs uses it."""
-    from sqlalchemy import event
+    statements: list[str] = []  # the jobs table's INSERTs (the edges' table is jobs_deps)
 
-    statements: list[int] = []
-
-    def count(conn: Any, cursor: Any, statement: str, params: Any, context: Any, many: bool) -> None:
-        if statement.startswith("INSERT INTO jobs ") and context.compiled is not None:
-            statements.append(1)
+    def count(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if statement.startswith("INSERT INTO jobs "):
+            statements.append(statement)
 
     with backend.db.engine.connect() as conn:
         conn.execution_options(insertmanyvalues_page_size=500)
