@@ -23,8 +23,6 @@ rate at least 80 % of its unfair rate.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import logging
 import math
 import threading
 import time
@@ -39,10 +37,8 @@ from sqlalchemy.orm import Session
 
 from .._app import JobQueue
 from ..worker.config import WorkerConfig
-from ..worker.process import freeze_startup_heap
-from ..worker.worker import Worker
 from .app import BenchDeadJob, BenchJob, queue
-from .processes import spawned
+from .processes import bench_worker, run_when_ready, spawned
 from .run import Figures, _pct, _reset, reachable, scratch
 
 __all__ = ["run_fair"]
@@ -55,15 +51,9 @@ fair_queue.handler("noop")(lambda payload: None)
 
 
 def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int | None, fair: bool) -> None:
-    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
     # Workers of queue `tenants` only, fair or not, as a deployment that gives a fair queue its own workers.
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, queues=(QUEUE,))
-    engine = create_engine(url, pool_size=config.pool_size)
-    poll = 0.5 if queue.driver(engine).supports_listen else 0.02
-    worker = Worker._from_config(engine, fair_queue if fair else queue, dataclasses.replace(config, poll_interval=poll))
-    freeze_startup_heap()  # as `sqla-jobs worker` does
-    ready.set()
-    worker.run()
+    run_when_ready(bench_worker(url, fair_queue if fair else queue, config), ready)
 
 
 @contextmanager

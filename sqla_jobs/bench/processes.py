@@ -10,6 +10,8 @@ holds (each driver's ``bench_scratch``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
 import multiprocessing as mp
 import signal
 import threading
@@ -17,9 +19,15 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from ..worker.supervisor import watch_parent
+from sqlalchemy import Engine, create_engine
 
-__all__ = ["spawned", "stop_on_sigterm", "watch_bench"]
+from .._app import JobQueue
+from ..worker.config import WorkerConfig
+from ..worker.process import freeze_startup_heap
+from ..worker.supervisor import watch_parent
+from ..worker.worker import Worker
+
+__all__ = ["bench_polling", "bench_worker", "run_when_ready", "spawned", "stop_on_sigterm", "watch_bench"]
 
 
 def stop_on_sigterm() -> None:
@@ -61,6 +69,28 @@ def spawned(processes: int, target: Any, arguments: Any) -> Iterator[list[Any]]:
             p.terminate()  # SIGTERM: graceful, nothing is running by now
         for p in procs:
             p.join(30)
+
+
+def bench_worker(url: str, app: JobQueue[Any, Any], config: WorkerConfig) -> Worker:
+    """The worker of a process the bench spawned, built as ``sqla-jobs worker`` builds one: the engine's pool
+    sized by ``config``, its poll ``bench_polling``'s. Only sqla_jobs' warnings are logged: the measured workers
+    spend no time writing lines of progress."""
+    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
+    engine = create_engine(url, pool_size=config.pool_size)
+    return Worker._from_config(engine, app, bench_polling(app, engine, config))
+
+
+def bench_polling(app: JobQueue[Any, Any], engine: Engine, config: WorkerConfig) -> WorkerConfig:
+    """``config`` with the bench's poll: 0.5 s where the database notifies (LISTEN wakes the worker; the poll
+    is a safety net), else 20 ms, so a job without a wake-up waits about as long as a notified one."""
+    return dataclasses.replace(config, poll_interval=0.5 if app.driver(engine).supports_listen else 0.02)
+
+
+def run_when_ready(worker: Worker, ready: Any) -> None:
+    """Run ``worker`` until SIGTERM (a graceful stop), telling the bench through ``ready`` once it is built."""
+    freeze_startup_heap()  # as `sqla-jobs worker` does
+    ready.set()
+    worker.run()
 
 
 def _watching(target: Any, *arguments: Any) -> None:

@@ -39,8 +39,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import json
+import logging
 import statistics
 import sys
 import threading
@@ -66,7 +66,7 @@ from .enqueue import (
     enqueue_fast,
     enqueue_single,
 )
-from .processes import spawned
+from .processes import bench_polling, bench_worker, run_when_ready, spawned
 
 # The bench app, for scripts and `--app sqla_jobs.bench.run:queue`.
 __all__ = ["BenchDeadJob", "BenchJob", "queue", "run_bench"]
@@ -133,30 +133,25 @@ def _fill_finished(engine: Engine, rows: int) -> None:
 
 def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int | None, asynchronous: bool = False,
                  vacuum_dead_rows: int | None = None, discard_finished: bool = False) -> None:
-    import logging
-
-    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
     # checked, and sizes the pool
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size, vacuum_dead_rows=vacuum_dead_rows,
                           prune_after=0.0 if discard_finished else None)
-    engine = create_engine(url, pool_size=config.pool_size)
-    poll = 0.5 if queue.driver(engine).supports_listen else 0.02  # without LISTEN a worker polls
-    config = dataclasses.replace(config, poll_interval=poll)
-    if asynchronous:  # AsyncWorker on the backend's async driver, as `sqla-jobs worker --async` runs it
-        engine.dispose()
-
-        async def main() -> None:
-            async_engine = await make_async_engine(url, pool_size=config.pool_size)
-            freeze_startup_heap()  # as `sqla-jobs worker` does
-            ready.set()
-            await AsyncWorker._from_config(async_engine, queue, config).run(install_signals=True)
-
-        asyncio.run(main())
+    if not asynchronous:
+        run_when_ready(bench_worker(url, queue, config), ready)
         return
-    worker = Worker._from_config(engine, queue, config)
-    freeze_startup_heap()  # as `sqla-jobs worker` does
-    ready.set()
-    worker.run()
+
+    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)  # as bench_worker does
+    engine = create_engine(url)
+    config = bench_polling(queue, engine, config)
+    engine.dispose()
+
+    async def main() -> None:  # AsyncWorker on the backend's async driver, as `sqla-jobs worker --async` runs it
+        async_engine = await make_async_engine(url, pool_size=config.pool_size)
+        freeze_startup_heap()  # as `sqla-jobs worker` does
+        ready.set()
+        await AsyncWorker._from_config(async_engine, queue, config).run(install_signals=True)
+
+    asyncio.run(main())
 
 
 def _rss_mb(pid: int | None, field: str = "VmRSS") -> float:

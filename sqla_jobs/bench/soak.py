@@ -50,9 +50,7 @@ from .._bootstrap import database_url, make_engine, missing_database
 from .._durations import parse_duration
 from ..errors import ConfigError
 from ..worker.config import WorkerConfig
-from ..worker.process import freeze_startup_heap
-from ..worker.worker import Worker
-from .processes import watch_bench
+from .processes import bench_worker, run_when_ready, watch_bench
 from .run import BenchDeadJob, BenchJob, _reset, queue, scratch
 from .soak_faults import FAULT_HEARTBEAT, FAULT_LEASE, Fault, Fleet, inject_faults
 from .soak_load import Tally, collect, produce, prune, vacuum
@@ -130,16 +128,11 @@ class SoakSettings:
 
 def _worker_main(url: str, concurrency: int, batch_size: int | None, faults: bool, ready: Any, starts: Any) -> None:
     """One worker process; its handlers' start times go to ``starts`` twice a second and at the end."""
-    import logging
-
     watch_bench()
-    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
     config = WorkerConfig(concurrency=concurrency, batch_size=batch_size)
     if faults:
         config = dataclasses.replace(config, lease=FAULT_LEASE, heartbeat=FAULT_HEARTBEAT)
-    engine = create_engine(url, pool_size=config.pool_size)
-    poll = 0.5 if queue.driver(engine).supports_listen else 0.02  # without LISTEN a worker polls
-    worker = Worker._from_config(engine, queue, dataclasses.replace(config, poll_interval=poll))
+    worker = bench_worker(url, queue, config)
     done = threading.Event()
 
     def ship() -> None:
@@ -155,14 +148,12 @@ def _worker_main(url: str, concurrency: int, batch_size: int | None, faults: boo
 
     shipper = threading.Thread(target=ship, daemon=True)
     shipper.start()
-    freeze_startup_heap()  # as `sqla-jobs worker` does
-    ready.set()
     try:
-        worker.run()  # SIGTERM: a graceful stop
+        run_when_ready(worker, ready)
     finally:
         done.set()
         shipper.join(10)
-        engine.dispose()
+        worker.engine.dispose()
 
 
 # -- the run ------------------------------------------------------------------------------
