@@ -6,6 +6,7 @@ import asyncio
 import json
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from sqlalchemy import func, select
@@ -159,6 +160,21 @@ def test_cli_relays_until_idle(relay_db: Database, space: BrokerSpace) -> None:
     assert "guest:guest" not in result.stderr  # the log names the broker without its password
     assert sorted(r.body["n"] for r in space.read_all(expect=20)) == list(range(20))
     assert json.dumps(states(relay_db)) == json.dumps({"finished": 20})
+
+
+def test_the_relay_leaves_its_start_up_heap_out_of_the_collectors_rounds(
+        relay_pg: Database, space: BrokerSpace, tmp_path: Path) -> None:
+    """``sqla-jobs relay`` freezes what start-up built, as ``sqla-jobs worker`` does: the collector's rounds over
+    it were a sixth of a relay's time to NATS (docs/performance.md). The app reports from the relay's process."""
+    with Session(relay_pg.engine) as session, session.begin():
+        session.add_all(RelayJob(kind="order.created", queue="relay", payload={"n": n}) for n in range(200))
+    report = tmp_path / "heap.json"
+    result = run_cli("relay", "--app", "tests.relay_heap_app:queue", *space.cli_options(ROUTES), "--until-idle",
+                     env={**relay_pg.env(), "SQLA_JOBS_TEST_HEAP_REPORT": str(report)})
+    assert result.returncode == 0, result.stderr
+    assert "published 200" in result.stdout
+    assert report.exists(), "no collection ran after a freeze: the relay did not freeze its start-up heap"
+    assert json.loads(report.read_text()) == {"queue_scanned": False}
 
 
 def test_on_postgresql_an_idle_relay_wakes_when_a_job_is_enqueued(relay_pg: Database, space: BrokerSpace) -> None:
