@@ -43,6 +43,11 @@ def test_fair_prints_each_figure(backend: str, tmp_path: Path) -> None:
         # B..K's fair figures are NaN only when none was picked up, and the bench then says so.
         value = rf"({NUMBER}|nan)" if starved and ("fair, A's backlog" in name or "/ idle" in name) else NUMBER
         assert re.search(rf"^  {re.escape(name)} +{value}$", result.stdout, re.M), (name, result.stdout)
+    outlasted = re.search(rf"^  scenes whose window outlasted A's backlog +({NUMBER})$", result.stdout, re.M)
+    assert outlasted is not None, result.stdout
+    # A window that outlasted the backlog is not behind it: the bench says so beside its figures.
+    assert (float(outlasted.group(1)) > 0) == ("give a larger --fair-backlog or a shorter" in result.stdout), \
+        result.stdout
     ratio = re.search(r"^  A drain: fair / unfair +(\S+)$", result.stdout, re.M)
     assert ratio is not None, result.stdout
     if ratio.group(1) == "nan":
