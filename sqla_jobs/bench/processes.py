@@ -72,9 +72,9 @@ def spawned(processes: int, target: Any, arguments: Any) -> Iterator[list[Any]]:
 
 
 def bench_worker(url: str, app: JobQueue[Any, Any], config: WorkerConfig) -> Worker:
-    """The worker of a process the bench spawned, built as ``sqla-jobs worker`` builds one: the engine's pool
-    sized by ``config``, its poll ``bench_polling``'s. Only sqla_jobs' warnings are logged: the measured workers
-    spend no time writing lines of progress."""
+    """The worker of a process the bench spawned: its engine's pool sized by ``config`` (as ``sqla-jobs worker``
+    sizes it), its poll ``bench_polling``'s. Only sqla_jobs' warnings are logged: the measured workers spend no
+    time writing lines of progress."""
     logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
     engine = create_engine(url, pool_size=config.pool_size)
     return Worker._from_config(engine, app, bench_polling(app, engine, config))
@@ -82,7 +82,7 @@ def bench_worker(url: str, app: JobQueue[Any, Any], config: WorkerConfig) -> Wor
 
 def bench_polling(app: JobQueue[Any, Any], engine: Engine, config: WorkerConfig) -> WorkerConfig:
     """``config`` with the bench's poll: 0.5 s where the database notifies (LISTEN wakes the worker; the poll
-    is a safety net), else 20 ms, so a job without a wake-up waits about as long as a notified one."""
+    is a safety net), else 20 ms: without a wake-up a worker finds new jobs only by polling."""
     return dataclasses.replace(config, poll_interval=0.5 if app.driver(engine).supports_listen else 0.02)
 
 
