@@ -25,7 +25,8 @@ FIGURES = [
     "A drain, unfair (jobs/s)", "B..K picked up within the window, unfair (%)",
     "claim of 4, fair, 10,000 keys (ms)", "claim of 4, plain (ms)", "B..K p99: fair with backlog / idle",
     "B..K pickup p99 from the commit, idle queue (ms)", "B..K pickup p99 from the commit, fair, A's backlog (ms)",
-    "B..K p99 from the commit: fair with backlog / idle",
+    "B..K p99 from the commit: fair with backlog / idle", "B..K pickup p99 of all runs' jobs, idle queue (ms)",
+    "B..K pickup p99 of all runs' jobs, fair, A's backlog (ms)", "B..K p99 of all runs' jobs: fair with backlog / idle",
 ]
 
 
