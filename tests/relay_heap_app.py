@@ -21,10 +21,14 @@ __all__ = ["queue"]
 _FROZEN_AT_IMPORT = gc.get_freeze_count()
 
 
+_reported: list[bool] = []  # once: the callback stays in gc.callbacks (removing it while the collector walks
+# that list could skip another callback)
+
+
 def _report(phase: str, info: dict[str, Any]) -> None:
-    if phase != "stop" or gc.get_freeze_count() <= _FROZEN_AT_IMPORT:
+    if phase != "stop" or _reported or gc.get_freeze_count() <= _FROZEN_AT_IMPORT:
         return
-    gc.callbacks.remove(_report)
+    _reported.append(True)
     with open(os.environ["SQLA_JOBS_TEST_HEAP_REPORT"], "w") as report:
         json.dump({"queue_scanned": any(obj is queue for obj in gc.get_objects())}, report)
 
