@@ -44,7 +44,9 @@ def stop_on_sigterm() -> None:
 
 def watch_bench() -> None:
     """Called first in each worker process the bench spawns: a bench killed with SIGKILL cannot stop its
-    workers, so each stops itself (as on SIGTERM) once the bench is gone."""
+    workers, so each stops itself (as on SIGTERM) once the bench is gone. Only sqla_jobs' warnings are logged
+    from then on: the measured workers spend no time writing lines of progress."""
+    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
     parent = mp.parent_process()
     if parent is not None and parent.pid is not None:
         threading.Thread(target=watch_parent, args=(parent.pid,), daemon=True, name="sqla-jobs-bench").start()
@@ -73,9 +75,7 @@ def spawned(processes: int, target: Any, arguments: Any) -> Iterator[list[Any]]:
 
 def bench_worker(url: str, app: JobQueue[Any, Any], config: WorkerConfig) -> Worker:
     """The worker of a process the bench spawned: its engine's pool sized by ``config`` (as ``sqla-jobs worker``
-    sizes it), its poll ``bench_polling``'s. Only sqla_jobs' warnings are logged: the measured workers spend no
-    time writing lines of progress."""
-    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)
+    sizes it), its poll ``bench_polling``'s."""
     engine = create_engine(url, pool_size=config.pool_size)
     return Worker._from_config(engine, app, bench_polling(app, engine, config))
 

@@ -40,7 +40,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import logging
 import statistics
 import sys
 import threading
@@ -140,7 +139,6 @@ def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int | None,
         run_when_ready(bench_worker(url, queue, config), ready)
         return
 
-    logging.getLogger("sqla_jobs").setLevel(logging.WARNING)  # as bench_worker does
     engine = create_engine(url)
     config = bench_polling(queue, engine, config)
     engine.dispose()
