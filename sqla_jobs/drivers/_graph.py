@@ -35,6 +35,7 @@ from sqlalchemy import (
     Select,
     String,
     Table,
+    and_,
     case,
     delete,
     func,
@@ -182,15 +183,29 @@ class Graph:
         return touched
 
     def _count_down(self, conn: Connection, gone: Any, among: Any) -> int:
-        """Two statements, so that no SET reads a value another SET changed (MariaDB/MySQL give a multi-table
-        UPDATE no order): the counts of ``gone`` (id, n) go down, then the blocked jobs ``among`` them at 0
-        become ``pending``, due from now at the latest (they waited for upstreams, not in the queue: their
-        age as pending jobs starts now)."""
+        """The counts of ``gone`` (id, n) go down, and a blocked job whose count reaches 0 becomes ``pending`` in
+        the same ``UPDATE``: every ``SET`` of it reads the row as it was (PostgreSQL, SQLite), so ``state`` sees the
+        old count. One pass over the dependents, not two: a fan-out's root releases 100,000 of them, and each pass
+        writes a new version of every row (the state is in the partial indexes' predicates, so none is HOT).
+        A released job is due from now at the latest (it waited for upstreams, not in the queue: its age as a
+        pending job starts now). MariaDB/MySQL read a ``SET`` in order and can't here: ``drivers/mysql``.
+
+        ``among`` (the dependents' edges) is for the two-statement form: a blocked job's count is never 0 between
+        transactions, so only the counted-down jobs can be released."""
         t = self.jobs
-        counted = conn.execute(update(t).where(t.c.id == gone.c.id, t.c.state == "blocked")
-                               .values(waiting_for=t.c.waiting_for - gone.c.n)).rowcount
-        self._release(conn, among)
-        return counted
+        now, skip = self.now(), self.errback_skip(t)
+        left = t.c.waiting_for - gone.c.n
+        due = left <= 0
+        # Nested, so a callback's edges are read (errback_skip) only for a job released now.
+        released = case((due, case((skip, "cancelled"), else_="pending")), else_="blocked")
+        skipped = and_(due, skip)
+        return conn.execute(update(t).where(t.c.id == gone.c.id, t.c.state == "blocked").values(
+            waiting_for=left,
+            state=released,
+            run_at=case((and_(due, t.c.run_at < now), now), else_=t.c.run_at),
+            finished_at=case((skipped, now), else_=t.c.finished_at),
+            cancelled_at=case((skipped, now), else_=t.c.cancelled_at),
+            last_error=case((skipped, SKIPPED), else_=t.c.last_error))).rowcount
 
     def _release(self, conn: Connection, among: Select[Any]) -> None:
         """Blocked jobs ``among`` the dependents this query of edges names, at 0, become ``pending``; a batch's

@@ -7,6 +7,7 @@ purge), the ones the worker and the admin commands call.
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone
 from typing import Any
 
@@ -104,6 +105,31 @@ def test_the_last_upstream_to_finish_unblocks_in_its_own_transaction(backend: Ba
     finish(backend, claimed[1:])  # two in one finish: counted down by two
     assert (state(backend, join), waiting(backend, join)) == ("pending", 0)
     assert [c.id for c in backend.claim(10)] == [join]
+
+
+def test_an_upstreams_finish_writes_each_dependent_it_counts_down_once(backend: Backend) -> None:
+    """The count-down and the release are one UPDATE where every SET reads the row as it was (PostgreSQL,
+    SQLite): a fan-out's root writes each of its dependents once, not twice (SQLite's fan-out drained at 0.65
+    of its plain drain with two). MariaDB/MySQL give a joined UPDATE's SETs no order: two statements there."""
+    root = job()
+    fan = [job(depends_on=[root]) for _ in range(30)]
+    join = job(depends_on=[root, fan[0]])  # still waits for fan[0]: counted down, not released
+    add(backend, *fan, join)
+    [claimed] = claim_all(backend, [root.id])
+    updates: list[str] = []
+
+    def count(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if re.match(r"\s*UPDATE jobs\b", statement):  # MariaDB's joined UPDATE: "UPDATE jobs, (SELECT ...)"
+            updates.append(statement)
+
+    with backend.write() as conn:
+        event.listen(conn, "before_cursor_execute", count)
+        assert backend.driver.finish(conn, [claimed.fence]) == {root.id}
+        event.remove(conn, "before_cursor_execute", count)
+    # The finish itself, then the count-down: with the release in it, or after it.
+    assert len(updates) == (3 if backend.name in ("mysql", "mariadb") else 2), updates
+    assert {state(backend, f.id) for f in fan} == {"pending"}
+    assert (state(backend, join.id), waiting(backend, join.id)) == ("blocked", 1)
 
 
 def test_an_unblocking_finish_rolled_back_leaves_the_dependent_blocked(backend: Backend) -> None:

@@ -268,6 +268,15 @@ class MySQLDriver(MySQLSchema, MySQLStats, MySQLBench, Driver):
                 self.unblock(conn, upstreams)
         return {r.id for r in held}
 
+    def _count_down(self, conn: Connection, gone: Any, among: Any) -> int:
+        # Two statements (Graph's one reads the old count in the SET of state): a multi-table UPDATE here gives its
+        # SETs no order, so that one could read the count it just lowered, or not. The counts, then the release.
+        t = self.jobs
+        counted = conn.execute(update(t).where(t.c.id == gone.c.id, t.c.state == "blocked")
+                               .values(waiting_for=t.c.waiting_for - gone.c.n)).rowcount
+        self._release(conn, among)
+        return int(counted)
+
     def errors_plus(self, entry: dict[str, Any]) -> ColumnElement[Any]:
         # JSON_EXTRACT(…, '$') makes the bound text a JSON value, so it is appended as an object, not a string.
         return text("JSON_ARRAY_APPEND(COALESCE(errors, '[]'), '$', JSON_EXTRACT(:entry, '$'))").bindparams(

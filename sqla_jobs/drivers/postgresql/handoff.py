@@ -15,7 +15,7 @@ a retry of a batch whose commit went through with its reply lost finishes nothin
 again, so it counts nothing down twice.
 
 A batch's on_failure callback released with no failed upstream is cancelled here
-instead (``drivers/_batches.py``), as ``Graph._release`` does.
+instead (``drivers/_batches.py``), as ``Graph._count_down`` does.
 """
 
 from __future__ import annotations
@@ -58,8 +58,9 @@ SELECT pg_notify(%(channel)s, '') FROM (SELECT FROM counted WHERE state = 'pendi
 
 def handoff_sql(jobs: Table, edges: Table) -> str:
     """The count-down of the upstreams named in ``%(flagged)s`` that this transaction finished (and the
-    wake-up of listening workers when one became pending). PostgreSQL evaluates every SET with the row's old
-    values, so one statement does what ``Graph.unblock`` does in two."""
+    wake-up of listening workers when one became pending). Every SET reads the row's old values, so the count
+    and the release are one UPDATE, as in ``Graph._count_down``; here with the upstreams found and the workers
+    woken in the same statement."""
     # A CASE, so that the edges are read for an on_failure callback only (``Batches.errback_skip`` says why).
     skip = (f"CASE WHEN d.on_upstream_failure = '{ERRBACK}' THEN NOT EXISTS "
             f"(SELECT FROM {pg_name(edges)} AS x WHERE x.downstream_id = d.id AND x.ended IS NOT NULL) ELSE false END")
