@@ -343,7 +343,7 @@ def run_bench(args: argparse.Namespace) -> int:
         flavour = "async worker, async no-op handlers" if getattr(args, "use_async", False) else "threaded worker"
         vacuum = f", vacuum at {args.vacuum_dead_rows} dead rows" if getattr(args, "vacuum_dead_rows", None) else ""
         vacuum += ", finished jobs deleted" if getattr(args, "discard_finished", False) else ""
-        each = "handlers at once" if getattr(args, "use_async", False) else "threads"  # the event loop's, or threads
+        each = "handlers at once" if getattr(args, "use_async", False) else "threads"
         print(f"\nsqla-jobs bench on {url.get_backend_name()} ({flavour}): {args.jobs} jobs, {args.processes} "
               f"process(es) x {args.concurrency} {each}, batch {args.batch_size or args.concurrency}{vacuum}, "
               f"median of {args.runs} run(s)")

@@ -186,9 +186,11 @@ class Graph:
         """The counts of ``gone`` (id, n) go down, and a blocked job whose count reaches 0 becomes ``pending`` in
         the same ``UPDATE``: every ``SET`` of it reads the row as it was (PostgreSQL, SQLite), so ``state`` sees the
         old count. One pass over the dependents, not two: a fan-out's root releases 100,000 of them, and each pass
-        writes a new version of every row (the state is in the partial indexes' predicates, so none is HOT).
+        writes a new version of every row (the release's changes index, since the state is in the partial indexes'
+        predicates).
         A released job is due from now at the latest (it waited for upstreams, not in the queue: its age as a
-        pending job starts now). MariaDB/MySQL read a ``SET`` in order and can't here: ``drivers/mysql``.
+        pending job starts now). MariaDB/MySQL give a joined ``UPDATE``'s ``SET``s no order: two statements there
+        (``drivers/mysql``).
 
         ``among`` (the dependents' edges) is for the two-statement form: a blocked job's count is never 0 between
         transactions, so only the counted-down jobs can be released."""
