@@ -186,7 +186,7 @@ class Graph:
         """The counts of ``gone`` (id, n) go down, and a blocked job whose count reaches 0 becomes ``pending`` in
         the same ``UPDATE``: every ``SET`` of it reads the row as it was (PostgreSQL, SQLite), so ``state`` sees the
         old count. One pass over the dependents, not two: a fan-out's root releases 100,000 of them, and each pass
-        writes a new version of every row (the release's changes index, since the state is in the partial indexes'
+        writes a new version of every row (the release's also enters the pending indexes: the state is in their
         predicates).
         A released job is due from now at the latest (it waited for upstreams, not in the queue: its age as a
         pending job starts now). MariaDB/MySQL give a joined ``UPDATE``'s ``SET``s no order: two statements there
