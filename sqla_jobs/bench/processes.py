@@ -27,7 +27,7 @@ from ..worker.process import freeze_startup_heap
 from ..worker.supervisor import watch_parent
 from ..worker.worker import Worker
 
-__all__ = ["bench_polling", "bench_worker", "run_when_ready", "spawned", "stop_on_sigterm", "watch_bench"]
+__all__ = ["bench_polling", "bench_worker", "built", "run_when_ready", "spawned", "stop_on_sigterm", "watch_bench"]
 
 
 def stop_on_sigterm() -> None:
@@ -88,9 +88,14 @@ def bench_polling(app: JobQueue[Any, Any], engine: Engine, config: WorkerConfig)
 
 def run_when_ready(worker: Worker, ready: Any) -> None:
     """Run ``worker`` until SIGTERM (a graceful stop), telling the bench through ``ready`` once it is built."""
-    freeze_startup_heap()  # as `sqla-jobs worker` does
-    ready.set()
+    built(ready)
     worker.run()
+
+
+def built(ready: Any) -> None:
+    """A bench worker is built: its start-up heap frozen, as `sqla-jobs worker` does, and the bench told."""
+    freeze_startup_heap()
+    ready.set()
 
 
 def _watching(target: Any, *arguments: Any) -> None:

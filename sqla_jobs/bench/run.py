@@ -55,7 +55,6 @@ from .._bootstrap import database_url, make_async_engine, make_engine, missing_d
 from ..drivers import driver_class
 from ..worker.async_worker import AsyncWorker
 from ..worker.config import WorkerConfig
-from ..worker.process import freeze_startup_heap
 from ..worker.worker import Worker
 from .app import BenchDeadJob, BenchJob, BenchOrder, PlainJob, picked_event, picked_up, queue
 from .enqueue import (
@@ -65,7 +64,7 @@ from .enqueue import (
     enqueue_fast,
     enqueue_single,
 )
-from .processes import bench_polling, bench_worker, run_when_ready, spawned
+from .processes import bench_polling, bench_worker, built, run_when_ready, spawned
 
 # The bench app, for scripts and `--app sqla_jobs.bench.run:queue`.
 __all__ = ["BenchDeadJob", "BenchJob", "queue", "run_bench"]
@@ -145,8 +144,7 @@ def _worker_main(url: str, concurrency: int, ready: Any, batch_size: int | None,
 
     async def main() -> None:  # AsyncWorker on the backend's async driver, as `sqla-jobs worker --async` runs it
         async_engine = await make_async_engine(url, pool_size=config.pool_size)
-        freeze_startup_heap()  # as `sqla-jobs worker` does
-        ready.set()
+        built(ready)
         await AsyncWorker._from_config(async_engine, queue, config).run(install_signals=True)
 
     asyncio.run(main())

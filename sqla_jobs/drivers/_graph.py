@@ -183,49 +183,47 @@ class Graph:
         return touched
 
     def _count_down(self, conn: Connection, gone: Any, among: Any) -> int:
-        """The counts of ``gone`` (id, n) go down, and a blocked job whose count reaches 0 becomes ``pending`` in
-        the same ``UPDATE``: every ``SET`` of it reads the row as it was (PostgreSQL, SQLite), so ``state`` sees the
-        old count. One pass over the dependents, not two: a fan-out's root releases 100,000 of them, and each pass
-        writes a new version of every row (the release's also enters the pending indexes: the state is in their
-        predicates).
-        A released job is due from now at the latest (it waited for upstreams, not in the queue: its age as a
-        pending job starts now). MariaDB/MySQL give a joined ``UPDATE``'s ``SET``s no order: two statements there
-        (``drivers/mysql``).
+        """The counts of ``gone`` (id, n) go down, and a blocked job whose count reaches 0 is released in the same
+        ``UPDATE``: every ``SET`` of it reads the row as it was (PostgreSQL, SQLite), so the release sees the old
+        count. One pass over the dependents, not two: a fan-out's root releases 100,000 of them, and each pass
+        writes a new version of every row. MariaDB/MySQL give a joined ``UPDATE``'s ``SET``s no order: two
+        statements there (``drivers/mysql``).
 
         ``among`` (the dependents' edges) is for the two-statement form: a blocked job's count is never 0 between
         transactions, so only the counted-down jobs can be released."""
         t = self.jobs
-        now, skip = self.now(), self.errback_skip(t)
         left = t.c.waiting_for - gone.c.n
-        due = left <= 0
-        # Nested, so a callback's edges are read (errback_skip) only for a job released now.
-        released = case((due, case((skip, "cancelled"), else_="pending")), else_="blocked")
-        skipped = and_(due, skip)
-        return conn.execute(update(t).where(t.c.id == gone.c.id, t.c.state == "blocked").values(
-            waiting_for=left,
-            state=released,
-            run_at=case((and_(due, t.c.run_at < now), now), else_=t.c.run_at),
-            finished_at=case((skipped, now), else_=t.c.finished_at),
-            cancelled_at=case((skipped, now), else_=t.c.cancelled_at),
-            last_error=case((skipped, SKIPPED), else_=t.c.last_error))).rowcount
+        return conn.execute(update(t).where(t.c.id == gone.c.id, t.c.state == "blocked")
+                            .values(waiting_for=left, **self._released(left <= 0))).rowcount
 
     def _release(self, conn: Connection, among: Select[Any]) -> None:
-        """Blocked jobs ``among`` the dependents this query of edges names, at 0, become ``pending``; a batch's
-        on_failure callback none of whose upstreams failed is cancelled instead (``drivers/_batches.py``: it has
-        no dependents of its own)."""
+        """Blocked jobs ``among`` the dependents this query of edges names, at 0, are released (``_released``)."""
         t = self.jobs
-        now, skip = self.now(), self.errback_skip(t)
         # Joined, not `id IN (query)`: MariaDB 10 cannot semi-join in a single-table UPDATE, so it read every row of
         # the jobs table and asked the query for each (34 ms a batch of finishes beside 20,000 jobs: a fan-in
         # drained at half the plain rate). The join starts from the edges' few rows.
         released = among.distinct().subquery("released")
         conn.execute(update(t).where(t.c.id == released.c.downstream_id, t.c.state == "blocked",
-                                     t.c.waiting_for <= 0)
-                     .values(state=case((skip, "cancelled"), else_="pending"),
-                             run_at=case((t.c.run_at < now, now), else_=t.c.run_at),
-                             finished_at=case((skip, now), else_=t.c.finished_at),
-                             cancelled_at=case((skip, now), else_=t.c.cancelled_at),
-                             last_error=case((skip, SKIPPED), else_=t.c.last_error)))
+                                     t.c.waiting_for <= 0).values(**self._released()))
+
+    def _released(self, due: ColumnElement[bool] | None = None) -> dict[str, Any]:
+        """The ``SET`` of a blocked job released: ``pending``, due from now at the latest (it waited for upstreams,
+        not in the queue: its age as a pending job starts now); a batch's on_failure callback none of whose
+        upstreams failed is cancelled instead (``drivers/_batches.py``: it has no dependents of its own). With
+        ``due``, only where it holds; elsewhere the row stays as it is, ``blocked``."""
+        t = self.jobs
+        now, skip = self.now(), self.errback_skip(t)
+
+        def where_due(condition: ColumnElement[bool], value: Any, otherwise: Any) -> ColumnElement[Any]:
+            return case((condition if due is None else and_(due, condition), value), else_=otherwise)
+
+        # Nested, so a callback's edges (errback_skip) are read only for a job released now.
+        state = case((skip, "cancelled"), else_="pending")
+        return {"state": state if due is None else case((due, state), else_="blocked"),
+                "run_at": where_due(t.c.run_at < now, now, t.c.run_at),
+                "finished_at": where_due(skip, now, t.c.finished_at),
+                "cancelled_at": where_due(skip, now, t.c.cancelled_at),
+                "last_error": where_due(skip, SKIPPED, t.c.last_error)}
 
     def blocked_dependents(self, conn: Connection, upstreams: Sequence[int]) -> list[Any]:
         """The blocked dependents of ``upstreams`` whose edge from them is still open:
