@@ -15,7 +15,7 @@ a retry of a batch whose commit went through with its reply lost finishes nothin
 again, so it counts nothing down twice.
 
 A batch's on_failure callback released with no failed upstream is cancelled here
-instead (``drivers/_batches.py``), as ``Graph._count_down`` does.
+instead (``drivers/_batches.py``), as ``Graph._released`` has it.
 """
 
 from __future__ import annotations
