@@ -23,10 +23,15 @@ from tests.test_cli import assert_clean_error, clean_env
 pytestmark = pytest.mark.slow
 
 NUMBER = r"-?[\d,]+\.\d\d"
-FIGURES = [
+FAN = [
     "fan-out/fan-in 1 -> N -> 1 (jobs/s)",
     "plain drain of N + 2 jobs (jobs/s)",
     "fan-out/fan-in vs plain drain (target >= 0.70)",
+    "fan: root's finish -> first dependent's claim (s)",
+    "fan: the N dependents' drain (jobs/s)",
+    "fan: the N dependents' drain vs plain drain",
+]
+CHAIN_AND_ENQUEUE = [
     *(f"chain hop p{p} (ms)" for p in (50, 95, 99)),
     *(f"peer: hop when a handler adds the next, p{p} (ms)" for p in (50, 95, 99)),
     "enqueue without dependencies (jobs/s)",
@@ -34,10 +39,13 @@ FIGURES = [
     "enqueue chain of K (jobs/s)",
     "fan-in enqueue cost vs none (target <= 1.3)",
     "chain enqueue cost vs none (target <= 1.3)",
+]
+BATCH = [
     "enqueue_many N as a batch, 3 callbacks (jobs/s)",
     "enqueue_many N, no batch (jobs/s)",
     "batch enqueue_many cost vs none",
 ]
+FIGURES = FAN + CHAIN_AND_ENQUEUE + BATCH
 TINY = ("--fan-out", "40", "--chain-length", "8", "--jobs", "30", "--latency-samples", "5",
         "--processes", "2", "--concurrency", "4")
 
@@ -67,9 +75,25 @@ def test_graphs_pick_scenarios_and_print_json(tmp_path: Path) -> None:
                    "--runs", "1", "--json")
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert set(report["medians"]) == set(FIGURES[3:-3]), report["medians"]  # no fan-out, no batch: not asked for
+    assert set(report["medians"]) == set(CHAIN_AND_ENQUEUE), report["medians"]  # no fan-out, no batch: not asked for
     assert all(len(values) == 1 for values in report["runs"].values())
     assert report["settings"]["graphs"] == "enqueue,chain" and report["settings"]["chain_length"] == 8
+
+
+def test_the_fan_outs_phases_are_read_from_its_own_rows(tmp_path: Path) -> None:
+    """The release and the dependents' drain, run by run: the release takes no negative time, the dependents
+    drain at least as fast as the whole graph (their span is inside the graph's, and N of N + 2 jobs), and the
+    ratio printed is the two figures' quotient."""
+    result = bench(server_url("postgresql", tmp_path / "graphs.db"), tmp_path, "--graphs", "fan", *TINY,
+                   "--runs", "2", "--json")
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = json.loads(result.stdout)["runs"]
+    assert set(runs) == set(FAN), runs
+    for i in range(2):
+        graph, plain, release, middle, ratio = (runs[name][i] for name in (FAN[0], FAN[1], *FAN[3:]))
+        assert release >= 0
+        assert middle * 42 / 40 >= graph, (middle, graph)
+        assert ratio == pytest.approx(middle / plain)
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -12,7 +12,10 @@ medians (``--graphs fan,chain,enqueue`` picks scenarios; all three by default):
   workers and settings). Its rate is N + 2 jobs over the time from the first claim (the root's
   ``locked_at``) to the join's ``finished_at``, by the database clock. Its peer: the same workers draining
   N + 2 independent jobs, timed the same way (first ``locked_at`` to last ``finished_at``); the two take
-  turns going first, and the ratio graph / plain is taken run by run (target >= 0.70).
+  turns going first, and the ratio graph / plain is taken run by run (target >= 0.70). Where the graph's time
+  went, from its rows (``fan_phases``): the seconds from the root's finish to its first dependent's claim (the
+  root's transaction releases all N), and the N dependents' own drain rate from that claim to the last one's
+  finish, beside the plain drain's (each batch of their finishes also counts the join down).
 * ``chain``: ``--chain-length`` M jobs, each depending on the one before, run by one listening worker process
   (not a burst). A hop is a link's ``locked_at`` minus its upstream's ``finished_at``, by the database
   clock: p50 / p95 / p99 over the M - 1 hops (target p50 <= 5 ms on PostgreSQL). Its peer: the same
@@ -56,6 +59,10 @@ STALL = 900.0
 
 FAN, PLAIN, FAN_RATIO = ("fan-out/fan-in 1 -> N -> 1 (jobs/s)", "plain drain of N + 2 jobs (jobs/s)",
                          "fan-out/fan-in vs plain drain (target >= 0.70)")
+#: Where the fan-out's time goes: the root's release of its N dependents, then their drain beside the plain one.
+FAN_RELEASE, FAN_MIDDLE, FAN_MIDDLE_RATIO = ("fan: root's finish -> first dependent's claim (s)",
+                                             "fan: the N dependents' drain (jobs/s)",
+                                             "fan: the N dependents' drain vs plain drain")
 ENQ_NONE, ENQ_FAN, ENQ_CHAIN = ("enqueue without dependencies (jobs/s)", "enqueue fan-in K-1 -> 1 (jobs/s)",
                                 "enqueue chain of K (jobs/s)")
 BATCH, BATCH_PLAIN, BATCH_COST = ("enqueue_many N as a batch, 3 callbacks (jobs/s)",
@@ -152,6 +159,20 @@ def fan_graph(args: argparse.Namespace, url: Any, engine: Engine, kind: str, joi
         done = (lambda: _state(engine, last.id) == "finished") if join else (lambda: not _any_unfinished(engine))
         _wait(engine, done, procs, "the graph")
     return _span_rate(engine, n + 2)
+
+
+def fan_phases(engine: Engine) -> tuple[float, float]:
+    """Where ``fan_graph``'s time went, read from its rows (the root has the lowest id, the join the highest):
+    the seconds from the root's ``finished_at`` (its finishing transaction's start, where it releases its
+    dependents) to the first dependent's claim, and the dependents' jobs/s from that claim to the last one's
+    finish. The join's count-down is in the second: every batch of the dependents' finishes pays it."""
+    t = BenchJob
+    with engine.connect() as conn:
+        root, join = conn.execute(select(func.min(t.id), func.max(t.id))).one()
+        released = conn.execute(select(t.finished_at).where(t.id == root)).scalar_one()
+        n, first, last = conn.execute(select(func.count(), func.min(t.locked_at), func.max(t.finished_at))
+                                      .where(t.id > root, t.id < join)).one()
+    return (first - released).total_seconds(), n / max((last - first).total_seconds(), 1e-6)
 
 
 def plain_drain(args: argparse.Namespace, url: Any, engine: Engine, kind: str) -> float:
@@ -256,11 +277,17 @@ def run_graphs(args: argparse.Namespace) -> int:
         for run in range(args.runs):
             if "fan" in chosen:
                 rates: dict[str, float] = {}
+                release = 0.0
                 for name in ((FAN, PLAIN) if run % 2 == 0 else (PLAIN, FAN)):
                     _reset(engine)
                     rates[name] = (fan_graph if name == FAN else plain_drain)(args, bench_url, engine, kind)
                     record(name, rates[name])
+                    if name == FAN:
+                        release, rates[FAN_MIDDLE] = fan_phases(engine)
                 record(FAN_RATIO, rates[FAN] / rates[PLAIN])
+                record(FAN_RELEASE, release)
+                record(FAN_MIDDLE, rates[FAN_MIDDLE])
+                record(FAN_MIDDLE_RATIO, rates[FAN_MIDDLE] / rates[PLAIN])
             if "chain" in chosen:
                 _reset(engine)
                 hops, relayed = chain_hops(args, bench_url, engine, kind)
