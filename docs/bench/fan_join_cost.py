@@ -23,24 +23,19 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from sqlalchemy import create_engine, func, select
+from sqlalchemy import create_engine
 from sqlalchemy.engine import URL, Engine, make_url
 
 from sqla_jobs.bench import graphs, run
-from sqla_jobs.bench.app import BenchJob
 
 GRAPHS = ("join", "no join", "plain")
 
 
 def fan(args: argparse.Namespace, url: URL, engine: Engine, join: bool) -> tuple[float, float]:
     """Jobs/s of the bench's fan-out, with its join or without (``graphs.fan_graph``); and the seconds from the
-    root's finish (the first job added) to the first claim of another job."""
+    root's finish (the first job added) to the first claim of one of its N dependents (``graphs.fan_phases``)."""
     rate = graphs.fan_graph(args, url, engine, "noop", join=join)
-    with engine.connect() as conn:
-        root = conn.execute(select(func.min(BenchJob.id))).scalar_one()
-        root_end = conn.execute(select(BenchJob.finished_at).where(BenchJob.id == root)).scalar_one()
-        first = conn.execute(select(func.min(BenchJob.locked_at)).where(BenchJob.id != root)).scalar_one()
-    return rate, (first - root_end).total_seconds()
+    return rate, graphs.fan_phases(engine)[0]
 
 
 def main() -> None:
