@@ -66,6 +66,8 @@ def test_graphs_print_each_figure_beside_its_peer(backend: str, tmp_path: Path) 
     for name in FIGURES:
         assert re.search(rf"^  {re.escape(name)} +{NUMBER}$", result.stdout, re.M), (name, result.stdout)
     assert f"run {runs}/{runs} done" in result.stderr
+    odd = "the fan-out goes first once more than its plain drain; an even --runs gives each order as often"
+    assert (odd in result.stderr) == (runs == "1"), result.stderr
     if backend == "sqlite":
         assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither graphs.db nor the scratch file
 

@@ -267,6 +267,10 @@ def run_graphs(args: argparse.Namespace) -> int:
     chosen = _check(args)
     url = reachable(args.url)
     kind = "async_noop" if args.use_async else "noop"
+    if "fan" in chosen and args.runs % 2:
+        # Which of the two goes first shows in their ratio (docs/performance.md, "How to read them").
+        print(f"note: with --runs {args.runs} the fan-out goes first once more than its plain drain; "
+              "an even --runs gives each order as often", file=sys.stderr, flush=True)
     figures = Figures()
     record = figures.record
 
