@@ -280,18 +280,15 @@ def run_graphs(args: argparse.Namespace) -> int:
             enqueue_rates(engine, kind, min(args.jobs, 200), 0)
         for run in range(args.runs):
             if "fan" in chosen:
-                rates: dict[str, float] = {}
-                release = 0.0
+                got: dict[str, float] = {}
                 for name in ((FAN, PLAIN) if run % 2 == 0 else (PLAIN, FAN)):
                     _reset(engine)
-                    rates[name] = (fan_graph if name == FAN else plain_drain)(args, bench_url, engine, kind)
-                    record(name, rates[name])
-                    if name == FAN:
-                        release, rates[FAN_MIDDLE] = fan_phases(engine)
-                record(FAN_RATIO, rates[FAN] / rates[PLAIN])
-                record(FAN_RELEASE, release)
-                record(FAN_MIDDLE, rates[FAN_MIDDLE])
-                record(FAN_MIDDLE_RATIO, rates[FAN_MIDDLE] / rates[PLAIN])
+                    got[name] = (fan_graph if name == FAN else plain_drain)(args, bench_url, engine, kind)
+                    if name == FAN:  # read before the next _reset drops the graph's rows
+                        got[FAN_RELEASE], got[FAN_MIDDLE] = fan_phases(engine)
+                got[FAN_RATIO], got[FAN_MIDDLE_RATIO] = got[FAN] / got[PLAIN], got[FAN_MIDDLE] / got[PLAIN]
+                for name in (FAN, PLAIN, FAN_RATIO, FAN_RELEASE, FAN_MIDDLE, FAN_MIDDLE_RATIO):
+                    record(name, got[name])
             if "chain" in chosen:
                 _reset(engine)
                 hops, relayed = chain_hops(args, bench_url, engine, kind)
